@@ -1,0 +1,197 @@
+#include "comm.h"
+
+#include <c10/util/Exception.h>
+
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+
+namespace rdna4_comm {
+
+namespace {
+
+std::string shape_str(const at::Tensor& t) {
+  std::ostringstream s;
+  s << t.sizes();
+  return s.str();
+}
+
+void check_device(const char* op, const char* arg, const at::Tensor& t, const at::Device& dev) {
+  TORCH_CHECK_VALUE(t.device() == dev, op, ": ", arg, " must be on ", dev,
+                    " (the communicator's device), got ", t.device());
+}
+
+void check_contiguous(const char* op, const char* arg, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", arg,
+                    " must be contiguous (call .contiguous() first), got strides ", t.strides());
+}
+
+void check_dtype(const char* op, const char* arg, const at::Tensor& t, at::ScalarType want) {
+  TORCH_CHECK_TYPE(t.scalar_type() == want, op, ": ", arg, " must be ", want, ", got ",
+                   t.scalar_type());
+}
+
+void check_shape(const char* op, const char* arg, const at::Tensor& t,
+                 std::vector<int64_t> want, const char* meaning) {
+  TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(want), op, ": ", arg, " must have shape ",
+                    at::IntArrayRef(want), " (", meaning, "), got ", shape_str(t));
+}
+
+void check_ep(const CommConfig& c, const char* op) {
+  TORCH_CHECK(c.has_ep(), op, ": communicator '", c.id,
+              "' was created without EP fields; pass max_tokens_per_rank, hidden, topk and "
+              "num_experts to Communicator to use dispatch/combine");
+}
+
+}  // namespace
+
+HeapConfig CommConfig::heap_config() const {
+  HeapConfig h;
+  h.world = world;
+  h.cap = cap;
+  h.hidden = hidden;
+  h.topk = topk;
+  h.num_experts = num_experts;
+  h.elt = has_ep() ? int64_t(c10::elementSize(dtype)) : 0;
+  h.ar_slot_bytes = ar_slot_bytes;
+  return h;
+}
+
+Comm::Comm(CommConfig cfg) : cfg_(std::move(cfg)), layout_(make_layout(cfg_.heap_config())) {}
+
+std::string Comm::timeout_message(int op, int peer, uint64_t gen) const {
+  std::ostringstream s;
+  s << "rdna4_comm: " << op_name(op) << " on rank " << cfg_.rank << " of communicator '" << cfg_.id
+    << "' timed out after " << cfg_.timeout_ms << " ms waiting for rank " << peer
+    << " (generation " << gen
+    << "). The peer never made the matching call, died, or its writes do not reach this GPU. "
+       "The communicator is unusable now: close it and create a new one "
+       "(RDNA4_COMM_TIMEOUT_MS sets the bound).";
+  return s.str();
+}
+
+at::Tensor Comm::all_reduce(const at::Tensor& x) {
+  check();
+  static const char* op = "all_reduce";
+  check_device(op, "x", x, device());
+  auto st = x.scalar_type();
+  TORCH_CHECK_TYPE(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, op,
+                   ": x must be torch.float32, torch.bfloat16 or torch.float16, got ", st);
+  check_contiguous(op, "x", x);
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  if (x.numel() > 0) all_reduce_impl(x, out);
+  return out;
+}
+
+Dispatched Comm::allocate_dispatched(int64_t ntok, bool with_weights) const {
+  const int64_t rows = int64_t(cfg_.world) * cfg_.cap;
+  auto opts = at::TensorOptions().device(device());
+  auto i32 = opts.dtype(at::kInt);
+  Dispatched d;
+  d.x = at::empty({rows, cfg_.hidden}, opts.dtype(cfg_.dtype));
+  d.topk_idx = at::empty({rows, cfg_.topk}, i32);
+  d.topk_weights = at::empty({with_weights ? rows : 0, cfg_.topk}, opts.dtype(at::kFloat));
+  d.counts = at::empty({cfg_.world}, i32);
+  d.recv_src = at::empty({rows}, i32);
+  d.src_tokens = at::empty({cfg_.world}, i32);
+  d.send_mask = at::empty({ntok}, i32);
+  return d;
+}
+
+Dispatched Comm::dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
+                          const c10::optional<at::Tensor>& topk_weights) {
+  check();
+  static const char* op = "dispatch";
+  check_ep(cfg_, op);
+  const auto dev = device();
+  check_device(op, "x", x, dev);
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == cfg_.hidden && x.size(0) <= cfg_.cap, op,
+                    ": x must have shape [T, ", cfg_.hidden, "] with 0 <= T <= ", cfg_.cap,
+                    " (max_tokens_per_rank), got ", shape_str(x));
+  check_dtype(op, "x", x, cfg_.dtype);
+  check_contiguous(op, "x", x);
+  const int64_t T = x.size(0);
+  check_device(op, "topk_idx", topk_idx, dev);
+  TORCH_CHECK_TYPE(topk_idx.scalar_type() == at::kInt || topk_idx.scalar_type() == at::kLong, op,
+                   ": topk_idx must be torch.int32 or torch.int64, got ", topk_idx.scalar_type());
+  check_shape(op, "topk_idx", topk_idx, {T, cfg_.topk}, "[T, topk]");
+  check_contiguous(op, "topk_idx", topk_idx);
+  if (topk_weights.has_value()) {
+    const auto& w = *topk_weights;
+    check_device(op, "topk_weights", w, dev);
+    check_dtype(op, "topk_weights", w, at::kFloat);
+    check_shape(op, "topk_weights", w, {T, cfg_.topk}, "[T, topk]");
+    check_contiguous(op, "topk_weights", w);
+  }
+  Dispatched out = allocate_dispatched(T, topk_weights.has_value());
+  dispatch_impl(x, topk_idx, topk_weights, out);
+  return out;
+}
+
+at::Tensor Comm::combine(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
+                         const at::Tensor& src_tokens, const at::Tensor& send_mask) {
+  check();
+  static const char* op = "combine";
+  check_ep(cfg_, op);
+  const auto dev = device();
+  const int64_t rows = int64_t(cfg_.world) * cfg_.cap;
+  check_device(op, "y", y, dev);
+  check_shape(op, "y", y, {rows, cfg_.hidden}, "[world_size * max_tokens_per_rank, hidden]");
+  check_dtype(op, "y", y, cfg_.dtype);
+  check_contiguous(op, "y", y);
+  const std::pair<const char*, const at::Tensor*> handle[] = {
+      {"handle.recv_src", &recv_src}, {"handle.counts", &counts},
+      {"handle.src_tokens", &src_tokens}, {"handle.send_mask", &send_mask}};
+  for (const auto& [name, t] : handle) {
+    check_device(op, name, *t, dev);
+    check_dtype(op, name, *t, at::kInt);
+    check_contiguous(op, name, *t);
+  }
+  check_shape(op, "handle.recv_src", recv_src, {rows}, "[world_size * max_tokens_per_rank]");
+  check_shape(op, "handle.counts", counts, {cfg_.world}, "[world_size]");
+  check_shape(op, "handle.src_tokens", src_tokens, {cfg_.world}, "[world_size]");
+  TORCH_CHECK_VALUE(send_mask.dim() == 1 && send_mask.size(0) <= cfg_.cap, op,
+                    ": handle.send_mask must have shape [T] with T <= ", cfg_.cap, ", got ",
+                    shape_str(send_mask));
+  at::Tensor out = at::empty({send_mask.size(0), cfg_.hidden}, y.options());
+  combine_impl(y, recv_src, counts, src_tokens, send_mask, out);
+  return out;
+}
+
+namespace {
+std::mutex& registry_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::unordered_map<std::string, std::shared_ptr<Comm>>& registry() {
+  static std::unordered_map<std::string, std::shared_ptr<Comm>> r;
+  return r;
+}
+}  // namespace
+
+void register_comm(std::shared_ptr<Comm> comm) {
+  std::lock_guard<std::mutex> g(registry_mutex());
+  const std::string id = comm->config().id;
+  TORCH_CHECK(registry().emplace(id, std::move(comm)).second, "rdna4_comm: communicator id '", id,
+              "' is already registered");
+}
+
+std::shared_ptr<Comm> find_comm(const std::string& id) {
+  std::lock_guard<std::mutex> g(registry_mutex());
+  auto it = registry().find(id);
+  TORCH_CHECK_VALUE(it != registry().end(), "rdna4_comm: no open communicator with id '", id,
+                    "' in this process (it was closed, or never created here)");
+  return it->second;
+}
+
+void remove_comm(const std::string& id) {
+  std::shared_ptr<Comm> doomed;  // destroyed outside the lock
+  std::lock_guard<std::mutex> g(registry_mutex());
+  auto it = registry().find(id);
+  if (it != registry().end()) {
+    doomed = std::move(it->second);
+    registry().erase(it);
+  }
+}
+
+}  // namespace rdna4_comm

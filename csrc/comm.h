@@ -1,0 +1,101 @@
+// A communicator: one rank's view of the symmetric heap, its peers, and the
+// three ops. Transports (CPU shared memory, GPU peer memory) implement the
+// same interface; argument validation is shared and runs before any protocol
+// step, so a rejected call leaves every counter and buffer untouched.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "protocol.h"
+
+namespace rdna4_comm {
+
+struct CommConfig {
+  std::string id;
+  std::string transport;  // "cpu" or "gpu"
+  int rank = 0;
+  int world = 1;
+  int64_t cap = 0;  // 0: the communicator serves all_reduce only
+  int64_t hidden = 0;
+  int64_t topk = 0;
+  int64_t num_experts = 0;
+  at::ScalarType dtype = at::kBFloat16;
+  int64_t ar_slot_bytes = 0;
+  int64_t timeout_ms = 10000;
+  int device_index = -1;  // GPU transport: the CUDA/HIP device of this rank
+
+  bool has_ep() const { return cap > 0; }
+  int64_t experts_per_rank() const { return num_experts / world; }
+  HeapConfig heap_config() const;
+};
+
+// Outputs of dispatch, in schema order.
+struct Dispatched {
+  at::Tensor x;           // [W*cap, H] dtype
+  at::Tensor topk_idx;    // [W*cap, K] int32, local expert id or -1
+  at::Tensor topk_weights;  // [W*cap, K] fp32, or [0, K] without weights
+  at::Tensor counts;      // [W] int32 rows received per source
+  at::Tensor recv_src;    // [W*cap] int32: source rank * cap + source token, -1 for padding
+  at::Tensor src_tokens;  // [W] int32: T of each source rank
+  at::Tensor send_mask;   // [T] int32: bit d set when the token was sent to rank d
+};
+
+class Comm {
+ public:
+  explicit Comm(CommConfig cfg);
+  virtual ~Comm() = default;
+  Comm(const Comm&) = delete;
+  Comm& operator=(const Comm&) = delete;
+
+  const CommConfig& config() const { return cfg_; }
+  const Layout& layout() const { return layout_; }
+
+  // Bootstrap, in this order on every rank, with a group barrier between
+  // connect() and finish(): export this rank's heap, open every peer's,
+  // then release what only init needed (and probe the links).
+  virtual std::string export_handle() = 0;
+  virtual void connect(const std::vector<std::string>& handles) = 0;
+  virtual void finish() {}
+
+  virtual at::Device device() const = 0;
+  // Raises if an earlier op failed (e.g. timed out); ops call it on entry.
+  virtual void check() = 0;
+
+  at::Tensor all_reduce(const at::Tensor& x);
+  Dispatched dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
+                      const c10::optional<at::Tensor>& topk_weights);
+  at::Tensor combine(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
+                     const at::Tensor& src_tokens, const at::Tensor& send_mask);
+
+ protected:
+  // Called with validated, contiguous arguments.
+  virtual void all_reduce_impl(const at::Tensor& x, at::Tensor& out) = 0;
+  virtual void dispatch_impl(const at::Tensor& x, const at::Tensor& topk_idx,
+                             const c10::optional<at::Tensor>& topk_weights, Dispatched& out) = 0;
+  virtual void combine_impl(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
+                            const at::Tensor& src_tokens, const at::Tensor& send_mask,
+                            at::Tensor& out) = 0;
+
+  std::string timeout_message(int op, int peer, uint64_t gen) const;
+
+  CommConfig cfg_;
+  Layout layout_;
+
+ private:
+  Dispatched allocate_dispatched(int64_t ntok, bool with_weights) const;
+};
+
+void register_comm(std::shared_ptr<Comm> comm);
+std::shared_ptr<Comm> find_comm(const std::string& id);
+void remove_comm(const std::string& id);
+
+std::shared_ptr<Comm> make_cpu_comm(CommConfig cfg);
+#ifdef RDNA4_COMM_WITH_GPU
+std::shared_ptr<Comm> make_gpu_comm(CommConfig cfg);
+#endif
+
+}  // namespace rdna4_comm

@@ -1,0 +1,133 @@
+// torch.ops.rdna4_comm.*: schemas, one implementation per op shared by the CPU
+// and CUDA dispatch keys (the communicator named by `comm` decides the
+// transport), and the pybind functions Communicator uses to bootstrap.
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include "comm.h"
+
+namespace rdna4_comm {
+namespace {
+
+at::Tensor all_reduce_op(const at::Tensor& x, c10::string_view comm) {
+  return find_comm(std::string(comm))->all_reduce(x);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+dispatch_op(const at::Tensor& x, const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights,
+            c10::string_view comm) {
+  Dispatched d = find_comm(std::string(comm))->dispatch(x, topk_idx, topk_weights);
+  return {d.x, d.topk_idx, d.topk_weights, d.counts, d.recv_src, d.src_tokens, d.send_mask};
+}
+
+at::Tensor combine_op(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
+                      const at::Tensor& src_tokens, const at::Tensor& send_mask, c10::string_view comm) {
+  return find_comm(std::string(comm))->combine(y, recv_src, counts, src_tokens, send_mask);
+}
+
+std::string create(const std::string& id, const std::string& transport, int rank, int world, int64_t cap,
+                   int64_t hidden, int64_t topk, int64_t num_experts, at::ScalarType dtype,
+                   int64_t ar_slot_bytes, int64_t timeout_ms, int device_index) {
+  CommConfig c;
+  c.id = id;
+  c.transport = transport;
+  c.rank = rank;
+  c.world = world;
+  c.cap = cap;
+  c.hidden = hidden;
+  c.topk = topk;
+  c.num_experts = num_experts;
+  c.dtype = dtype;
+  c.ar_slot_bytes = ar_slot_bytes;
+  c.timeout_ms = timeout_ms;
+  c.device_index = device_index;
+  std::shared_ptr<Comm> comm;
+  if (transport == "cpu") {
+    comm = make_cpu_comm(std::move(c));
+  } else {
+#ifdef RDNA4_COMM_WITH_GPU
+    comm = make_gpu_comm(std::move(c));
+#else
+    TORCH_CHECK(false, "rdna4_comm was built without GPU support (torch had no CUDA/ROCm when it "
+                       "was built); use transport=\"cpu\" or rebuild against a GPU build of torch");
+#endif
+  }
+  std::string handle = comm->export_handle();
+  register_comm(std::move(comm));
+  return handle;
+}
+
+void connect(const std::string& id, const std::vector<std::string>& handles) {
+  find_comm(id)->connect(handles);
+}
+
+void finish(const std::string& id) { find_comm(id)->finish(); }
+
+void check(const std::string& id) { find_comm(id)->check(); }
+
+py::dict layout(const std::string& id) {
+  const Layout& l = find_comm(id)->layout();
+  py::dict d;
+  d["signal_bytes"] = l.signal_bytes;
+  d["data_bytes"] = l.data_bytes;
+  d["ar_slot_bytes"] = l.ar_slot_bytes;
+  d["row_stride"] = l.row_stride;
+  return d;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(rdna4_comm, m) {
+  m.def("all_reduce(Tensor x, str comm) -> Tensor");
+  m.def(
+      "dispatch(Tensor x, Tensor topk_idx, Tensor? topk_weights, str comm) -> "
+      "(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor counts, Tensor recv_src, "
+      "Tensor src_tokens, Tensor send_mask)");
+  m.def(
+      "combine(Tensor y, Tensor recv_src, Tensor counts, Tensor src_tokens, Tensor send_mask, "
+      "str comm) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(rdna4_comm, CPU, m) {
+  m.impl("all_reduce", &all_reduce_op);
+  m.impl("dispatch", &dispatch_op);
+  m.impl("combine", &combine_op);
+}
+
+#ifdef RDNA4_COMM_WITH_GPU
+// ROCm builds of torch register HIP tensors under the CUDA key as well.
+TORCH_LIBRARY_IMPL(rdna4_comm, CUDA, m) {
+  m.impl("all_reduce", &all_reduce_op);
+  m.impl("dispatch", &dispatch_op);
+  m.impl("combine", &combine_op);
+}
+#endif
+
+}  // namespace rdna4_comm
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace rdna4_comm;
+  m.doc() = "rdna4_comm C++ core: communicator bootstrap and protocol policies";
+  m.def("create", &create, "Create this rank's communicator and heap; returns its export handle");
+  m.def("connect", &connect, "Open every rank's heap from the gathered export handles");
+  m.def("finish", &finish, "Finish bootstrap after a group barrier (unlink, P2P probe)");
+  m.def("destroy", &remove_comm, "Release this rank's communicator");
+  m.def("check", &check, "Raise if an earlier op of the communicator failed");
+  m.def("layout", &layout, "Heap layout sizes of a communicator");
+#ifdef RDNA4_COMM_WITH_GPU
+  m.attr("with_gpu") = true;
+#else
+  m.attr("with_gpu") = false;
+#endif
+  m.def("allreduce_use_one_shot", &allreduce_use_one_shot, py::arg("nbytes"), py::arg("world"),
+        py::arg("gpu"));
+  m.def("ep_chunk_tokens", &ep_chunk_tokens, py::arg("ntok"));
+  m.def("ep_num_chunks", &ep_num_chunks, py::arg("ntok"));
+  py::dict one_shot_max;
+  one_shot_max["cpu"] = kCpuOneShotMaxBytes;
+  one_shot_max["gpu"] = kGpuOneShotMaxBytes;
+  m.attr("one_shot_max_bytes") = one_shot_max;
+  m.attr("max_world") = kMaxWorld;
+  m.attr("max_gpu_world") = kMaxGpuWorld;
+  m.attr("max_topk") = kMaxTopk;
+}

@@ -1,0 +1,228 @@
+// The wire protocol shared by every transport: where each buffer and flag
+// lives in the symmetric heap, what a flag carries, how tokens are routed,
+// and the launch/algorithm policies. Plain C++ (no torch, no CUDA runtime),
+// so the CPU transport, the host side of the GPU transport and the device
+// kernels all read one definition.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define RC_HD __host__ __device__ inline
+#else
+#define RC_HD inline
+#endif
+
+namespace rdna4_comm {
+
+// Destination sets are uint32 bitmasks.
+constexpr int kMaxWorld = 32;
+// Device kernels keep per-destination state in fixed shared-memory arrays.
+constexpr int kMaxGpuWorld = 8;
+constexpr int kMaxTopk = 64;
+// all_reduce flag slots per (parity, phase, source): bounds the grid size.
+constexpr int kMaxAllReduceBlocks = 256;
+constexpr int kProbeBytes = 4096;
+constexpr size_t kAlign = 256;
+// Stale peer reads were observed on gfx1201 with small reused cached IPC
+// allocations; every exported GPU allocation is at least this large.
+constexpr size_t kMinGpuAllocation = size_t(2) << 20;
+
+enum Op : int { kOpAllReduce = 0, kOpDispatch = 1, kOpCombine = 2, kOpProbe = 3, kNumOps = 4 };
+
+RC_HD const char* op_name(int op) {
+  return op == kOpAllReduce ? "all_reduce"
+         : op == kOpDispatch ? "dispatch"
+         : op == kOpCombine  ? "combine"
+                             : "p2p_probe";
+}
+
+// A flag word holds the generation of the op that wrote it. Generations grow
+// by one per op on every rank, so a reader waits for `flag >= gen`: a fast
+// peer may already have published gen + 1 into a slot of the same parity
+// only after this rank consumed gen - 1 (see Layout, parity).
+//
+// Slots with metadata: the writer stores the metadata with plain stores and
+// then the generation with a system-scope release; the reader acquires the
+// generation before it reads the metadata.
+struct HeadSlot {  // dispatch: one per (parity, source), written by the source
+  uint64_t gen;
+  uint32_t ntok;   // tokens the source holds (T_s): fixes its chunking
+  uint32_t nrows;  // rows the source sends to this rank
+};
+struct ChunkSlot {  // dispatch: one per (parity, source, token chunk)
+  uint64_t gen;
+  uint32_t row_start;  // first row of this chunk within the source's rows
+  uint32_t nrows;
+};
+static_assert(sizeof(HeadSlot) == 16 && sizeof(ChunkSlot) == 16, "slot layout");
+
+RC_HD size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+RC_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---------------------------------------------------------------- policies
+
+// Token chunking for dispatch/combine. A chunk is the unit of publication:
+// its rows travel together and one flag announces them. Both sides of a
+// transfer derive a source's chunking from its token count alone, so the
+// receiver needs nothing but the source's T to know which flags to expect.
+constexpr int64_t kEpTargetChunks = 128;
+RC_HD int64_t ep_chunk_tokens(int64_t ntok) {
+  int64_t c = ceil_div(ntok, kEpTargetChunks);
+  return c < 1 ? 1 : c;
+}
+RC_HD int64_t ep_num_chunks(int64_t ntok) {
+  int64_t n = ceil_div(ntok, ep_chunk_tokens(ntok));
+  return n < 1 ? 1 : n;  // T = 0 still publishes one (empty) chunk
+}
+
+// all_reduce algorithm predicate. One-shot: every rank pushes its whole
+// input to every peer and sums locally (one barrier, (W-1)*N bytes out per
+// rank). Two-shot: reduce-scatter then all-gather (two barriers,
+// 2*(W-1)/W*N bytes out per rank). One-shot wins while latency dominates.
+// GPU thresholds are tuned from benchmarks/bench_allreduce.py (see
+// docs/performance.md); the CPU threshold keeps memcpy traffic down for
+// W > 2 beyond a few pages.
+constexpr int64_t kCpuOneShotMaxBytes = int64_t(64) << 10;
+constexpr int64_t kGpuOneShotMaxBytes = int64_t(512) << 10;
+RC_HD bool allreduce_use_one_shot(int64_t nbytes, int world, bool gpu) {
+  if (world <= 2) return true;  // same link bytes either way; one barrier fewer
+  return nbytes <= (gpu ? kGpuOneShotMaxBytes : kCpuOneShotMaxBytes);
+}
+
+// --------------------------------------------------------------- routing
+
+// Rank that owns global expert `e`, or -1 when the id is dropped.
+RC_HD int expert_owner(int64_t e, int64_t num_experts, int64_t experts_per_rank) {
+  return (e < 0 || e >= num_experts) ? -1 : int(e / experts_per_rank);
+}
+
+// ------------------------------------------------------------------ layout
+
+struct HeapConfig {
+  int world = 1;
+  int64_t cap = 0;          // max tokens per rank (0: no EP buffers)
+  int64_t hidden = 0;
+  int64_t topk = 0;
+  int64_t num_experts = 0;
+  int64_t elt = 0;          // bytes per element of the EP dtype
+  int64_t ar_slot_bytes = 0;
+};
+
+// Byte offsets of every region. Signals (counters and flags) and data are
+// two allocations on the GPU (signals uncached on HIP) and one segment on the
+// CPU. Every region the peers write is split in two by generation parity: an
+// op of generation g writes only parity g & 1, and no rank starts op g + 1
+// before every peer has published op g, which each peer does only after it
+// finished reading op g - 1. So nobody overwrites a buffer a peer still reads.
+struct Layout {
+  int world = 1;
+  int64_t cap = 0, hidden = 0, topk = 0, elt = 0, ar_slot_bytes = 0, max_chunks = 1;
+  size_t payload_stride = 0;  // bytes of one hidden row, 16-byte aligned
+  size_t row_stride = 0;      // dispatch row: payload, topk ids, weights, source token
+
+  size_t counters = 0;     // [kNumOps] own generation counters
+  size_t blocks_done = 0;  // [kNumOps] GPU: blocks finished in the running op
+  size_t ar_flags = 0;     // [2][2 phases][W][kMaxAllReduceBlocks] u64
+  size_t ep_heads = 0;     // [2][W] HeadSlot
+  size_t ep_chunks = 0;    // [2][W][max_chunks] ChunkSlot
+  size_t cb_flags = 0;     // [2][W][max_chunks] u64
+  size_t probe_flags = 0;  // [W] u64
+  size_t signal_bytes = 0;
+
+  size_t ar_inbox = 0;     // [2][W][ar_slot_bytes]: input (one-shot) or scatter share (two-shot)
+  size_t ar_gather = 0;    // [2][W][ar_slot_bytes]: reduced shares (two-shot)
+  size_t ep_recv = 0;      // [2][W src][cap][row_stride]
+  size_t cb_inbox = 0;     // [2][W dst][cap][payload_stride]
+  size_t probe = 0;        // [W][kProbeBytes]
+  size_t data_bytes = 0;
+
+  RC_HD uint64_t* counter(char* sig, int op) const {
+    return reinterpret_cast<uint64_t*>(sig + counters) + op;
+  }
+  RC_HD uint64_t* block_counter(char* sig, int op) const {
+    return reinterpret_cast<uint64_t*>(sig + blocks_done) + op;
+  }
+  RC_HD uint64_t* ar_flag(char* sig, uint64_t gen, int phase, int src, int block) const {
+    return reinterpret_cast<uint64_t*>(sig + ar_flags) +
+           ((size_t(gen & 1) * 2 + phase) * world + src) * kMaxAllReduceBlocks + block;
+  }
+  RC_HD HeadSlot* ep_head(char* sig, uint64_t gen, int src) const {
+    return reinterpret_cast<HeadSlot*>(sig + ep_heads) + size_t(gen & 1) * world + src;
+  }
+  RC_HD ChunkSlot* ep_chunk(char* sig, uint64_t gen, int src, int64_t chunk) const {
+    return reinterpret_cast<ChunkSlot*>(sig + ep_chunks) +
+           (size_t(gen & 1) * world + src) * max_chunks + chunk;
+  }
+  RC_HD uint64_t* cb_flag(char* sig, uint64_t gen, int src, int64_t chunk) const {
+    return reinterpret_cast<uint64_t*>(sig + cb_flags) +
+           (size_t(gen & 1) * world + src) * max_chunks + chunk;
+  }
+  RC_HD uint64_t* probe_flag(char* sig, int src) const {
+    return reinterpret_cast<uint64_t*>(sig + probe_flags) + src;
+  }
+  RC_HD char* ar_slot(char* data, uint64_t gen, int src) const {
+    return data + ar_inbox + (size_t(gen & 1) * world + src) * size_t(ar_slot_bytes);
+  }
+  RC_HD char* ar_gather_slot(char* data, uint64_t gen, int owner) const {
+    return data + ar_gather + (size_t(gen & 1) * world + owner) * size_t(ar_slot_bytes);
+  }
+  RC_HD char* ep_row(char* data, uint64_t gen, int src, int64_t row) const {
+    return data + ep_recv + ((size_t(gen & 1) * world + src) * size_t(cap) + size_t(row)) * row_stride;
+  }
+  RC_HD char* cb_row(char* data, uint64_t gen, int dst, int64_t token) const {
+    return data + cb_inbox +
+           ((size_t(gen & 1) * world + dst) * size_t(cap) + size_t(token)) * payload_stride;
+  }
+  RC_HD char* probe_buf(char* data, int src) const { return data + probe + size_t(src) * kProbeBytes; }
+
+  // Dispatch row: [payload][topk local ids, int32][topk weights, fp32][source token, int32].
+  RC_HD int32_t* row_ids(char* row) const { return reinterpret_cast<int32_t*>(row + payload_stride); }
+  RC_HD float* row_weights(char* row) const {
+    return reinterpret_cast<float*>(row + payload_stride + size_t(topk) * 4);
+  }
+  RC_HD int32_t* row_token(char* row) const {
+    return reinterpret_cast<int32_t*>(row + payload_stride + size_t(topk) * 8);
+  }
+};
+
+inline Layout make_layout(const HeapConfig& c) {
+  Layout l;
+  l.world = c.world;
+  l.cap = c.cap;
+  l.hidden = c.hidden;
+  l.topk = c.topk;
+  l.elt = c.elt;
+  l.ar_slot_bytes = int64_t(align_up(size_t(c.ar_slot_bytes), kAlign));
+  l.max_chunks = c.cap > 1 ? c.cap : 1;
+  l.payload_stride = align_up(size_t(c.hidden * c.elt), 16);
+  l.row_stride = align_up(l.payload_stride + size_t(c.topk) * 8 + 4, 16);
+  const size_t W = size_t(c.world);
+
+  size_t off = 0;
+  auto take = [&off](size_t bytes) {
+    size_t at = off;
+    off = align_up(off + bytes, kAlign);
+    return at;
+  };
+  l.counters = take(sizeof(uint64_t) * kNumOps);
+  l.blocks_done = take(sizeof(uint64_t) * kNumOps);
+  l.ar_flags = take(sizeof(uint64_t) * 2 * 2 * W * kMaxAllReduceBlocks);
+  l.ep_heads = take(sizeof(HeadSlot) * 2 * W);
+  l.ep_chunks = take(sizeof(ChunkSlot) * 2 * W * size_t(l.max_chunks));
+  l.cb_flags = take(sizeof(uint64_t) * 2 * W * size_t(l.max_chunks));
+  l.probe_flags = take(sizeof(uint64_t) * W);
+  l.signal_bytes = off;
+
+  off = 0;
+  l.ar_inbox = take(2 * W * size_t(l.ar_slot_bytes));
+  l.ar_gather = take(2 * W * size_t(l.ar_slot_bytes));
+  l.ep_recv = take(2 * W * size_t(c.cap) * l.row_stride);
+  l.cb_inbox = take(2 * W * size_t(c.cap) * l.payload_stride);
+  l.probe = take(W * kProbeBytes);
+  l.data_bytes = off;
+  return l;
+}
+
+}  // namespace rdna4_comm

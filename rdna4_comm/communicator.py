@@ -1,0 +1,351 @@
+"""The public API: :class:`Communicator` and the tuples its ops return."""
+from __future__ import annotations
+
+import itertools
+import os
+import weakref
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from .ops import OpShapes, register_shapes, unregister_shapes
+
+EP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DEFAULT_TIMEOUT_MS = 10_000
+# all_reduce inbox per (parity, source rank). One-shot chunks are at most one
+# slot; two-shot chunks at most world_size slots. Larger tensors are chunked.
+DEFAULT_ALLREDUCE_SLOT_BYTES = {"cpu": 1 << 20, "gpu": 16 << 20}
+
+_ids = itertools.count()
+
+
+class DispatchHandle(NamedTuple):
+    """What :meth:`Communicator.combine` needs from a dispatch. Self-contained:
+    it holds no reference to the heap, so handles of several dispatches can be
+    combined in any order.
+
+    - ``recv_src``: [W*cap] int32, for each received row ``src_rank * cap + src_token``, -1 for padding.
+    - ``counts``: [W] int32, rows received from each source rank.
+    - ``src_tokens``: [W] int32, T of each source rank.
+    - ``send_mask``: [T] int32, bit ``d`` set when the local token was sent to rank ``d``.
+    - ``comm_id``: the communicator that made it.
+    """
+
+    recv_src: torch.Tensor
+    counts: torch.Tensor
+    src_tokens: torch.Tensor
+    send_mask: torch.Tensor
+    comm_id: str
+
+
+class Dispatched(NamedTuple):
+    """Result of :meth:`Communicator.dispatch` on the receiving rank.
+
+    - ``x``: [W*cap, H] of the communicator dtype. Rows ``[0, num_recv)`` are
+      valid, grouped by source rank ascending, within a source by source token
+      ascending; later rows are padding with unspecified contents.
+    - ``topk_idx``: [W*cap, K] int32, the local expert id (global id minus
+      ``rank * num_experts / W``) where the slot's expert lives on this rank, else
+      -1. Padding rows are all -1.
+    - ``topk_weights``: [W*cap, K] float32, 0 where ``topk_idx`` is -1; None when
+      dispatch got no weights.
+    - ``counts``: [W] int32 on the op's device, rows received from each source;
+      ``num_recv = counts.sum()``.
+    - ``handle``: :class:`DispatchHandle` for :meth:`Communicator.combine`.
+    """
+
+    x: torch.Tensor
+    topk_idx: torch.Tensor
+    topk_weights: Optional[torch.Tensor]
+    counts: torch.Tensor
+    handle: DispatchHandle
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"Communicator: {name} must be a positive int, got {value!r}")
+    return value
+
+
+def _gpu_identity() -> Optional[str]:
+    """A host-unique id of this process's current GPU, or None without one."""
+    if not (_C.with_gpu and torch.cuda.is_available()):
+        return None
+    dev = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(dev)
+    return str(getattr(props, "uuid", dev))
+
+
+class Communicator:
+    """Peer-to-peer communicator over the ranks of one host.
+
+    Collective: every rank of ``group`` constructs it with the same arguments.
+    Construction allocates the symmetric heap, exchanges its handles through
+    ``group`` and, on GPUs, probes every peer link; the ops themselves never
+    allocate heap memory, exchange handles or synchronise the host, so they
+    can be captured in CUDA/HIP graphs and compiled with
+    ``torch.compile(fullgraph=True)``.
+
+    Args:
+        group: torch.distributed process group (default: WORLD). Must be
+            initialised; any backend works (gloo, NCCL/RCCL).
+        max_tokens_per_rank: ``cap``, the most tokens a rank passes to one
+            dispatch. With ``hidden``, ``topk`` and ``num_experts`` it enables
+            dispatch/combine; leave all four None for an all_reduce-only
+            communicator.
+        hidden: ``H``, elements per token.
+        topk: ``K``, expert slots per token, 1..64.
+        num_experts: ``E``, global experts; a multiple of the world size
+            ``W``. Rank ``r`` owns experts ``[r*E/W, (r+1)*E/W)``.
+        dtype: payload dtype of dispatch/combine: torch.bfloat16 (default),
+            torch.float16 or torch.float32.
+        transport: ``"auto"`` (the GPU transport when torch has a GPU, the
+            extension was built with GPU support and every rank has a distinct
+            GPU; else ``"cpu"``), ``"gpu"`` or ``"cpu"`` (POSIX shared memory
+            between the processes of one host).
+        allreduce_slot_bytes: all_reduce buffer per (parity, source rank);
+            default 1 MiB on CPU, 16 MiB on GPU. Larger tensors are processed
+            in chunks of this size (one-shot) or W times it (two-shot).
+        timeout_ms: bound of every wait (default: env ``RDNA4_COMM_TIMEOUT_MS``
+            or 10000). A peer that does not make the matching call within it
+            makes the op raise ``RuntimeError`` (GPU: at the next call or
+            :meth:`check`) naming the op, the peer and the generation; the
+            communicator is unusable afterwards.
+
+    Heap size per rank: about ``4 * W * allreduce_slot_bytes`` plus, with EP
+    fields, ``2 * W * cap * (2*H*elt + 8*K + 4)`` bytes.
+    """
+
+    def __init__(
+        self,
+        group: Optional[dist.ProcessGroup] = None,
+        *,
+        max_tokens_per_rank: Optional[int] = None,
+        hidden: Optional[int] = None,
+        topk: Optional[int] = None,
+        num_experts: Optional[int] = None,
+        dtype: torch.dtype = torch.bfloat16,
+        transport: str = "auto",
+        allreduce_slot_bytes: Optional[int] = None,
+        timeout_ms: Optional[int] = None,
+    ):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "Communicator: torch.distributed is not initialised; call "
+                "torch.distributed.init_process_group first (gloo works for bootstrap)"
+            )
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        if transport not in ("auto", "gpu", "cpu"):
+            raise ValueError(f"Communicator: transport must be 'auto', 'gpu' or 'cpu', got {transport!r}")
+
+        ep = (max_tokens_per_rank, hidden, topk, num_experts)
+        if all(v is None for v in ep):
+            cap = hidden = topk = num_experts = 0
+        elif any(v is None for v in ep):
+            raise ValueError(
+                "Communicator: max_tokens_per_rank, hidden, topk and num_experts are needed "
+                f"together for dispatch/combine, got {dict(zip(('max_tokens_per_rank', 'hidden', 'topk', 'num_experts'), ep))}"
+            )
+        else:
+            cap = _positive_int("max_tokens_per_rank", max_tokens_per_rank)
+            hidden = _positive_int("hidden", hidden)
+            topk = _positive_int("topk", topk)
+            num_experts = _positive_int("num_experts", num_experts)
+            if topk > _C.max_topk:
+                raise ValueError(f"Communicator: topk must be in [1, {_C.max_topk}], got {topk}")
+            if num_experts % self.world_size:
+                raise ValueError(
+                    f"Communicator: num_experts ({num_experts}) must be a multiple of the world size "
+                    f"({self.world_size})"
+                )
+            if dtype not in EP_DTYPES:
+                raise TypeError(f"Communicator: dtype must be one of {EP_DTYPES}, got {dtype}")
+        if self.world_size > _C.max_world:
+            raise ValueError(f"Communicator: at most {_C.max_world} ranks are supported, got {self.world_size}")
+        if timeout_ms is None:
+            timeout_ms = int(os.environ.get("RDNA4_COMM_TIMEOUT_MS", DEFAULT_TIMEOUT_MS))
+        timeout_ms = _positive_int("timeout_ms", timeout_ms)
+
+        self.transport = self._select_transport(transport)
+        if self.transport == "gpu" and self.world_size > _C.max_gpu_world:
+            raise ValueError(
+                f"Communicator: the GPU transport supports at most {_C.max_gpu_world} ranks, got {self.world_size}"
+            )
+        if allreduce_slot_bytes is None:
+            allreduce_slot_bytes = DEFAULT_ALLREDUCE_SLOT_BYTES[self.transport]
+        allreduce_slot_bytes = _positive_int("allreduce_slot_bytes", allreduce_slot_bytes)
+
+        self.max_tokens_per_rank, self.hidden, self.topk, self.num_experts = cap, hidden, topk, num_experts
+        self.dtype = dtype
+        self.timeout_ms = timeout_ms
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.transport == "gpu" else torch.device("cpu")
+        self.id = f"rdna4_comm.{os.getpid()}.{next(_ids)}"
+
+        handle = _C.create(
+            self.id, self.transport, self.rank, self.world_size, cap, hidden, topk, num_experts,
+            dtype, allreduce_slot_bytes, timeout_ms, self.device.index if self.device.index is not None else -1,
+        )
+        self._open = True
+        self._finalizer = weakref.finalize(self, _release, self.id)
+        handles = [None] * self.world_size
+        dist.all_gather_object(handles, handle, group=self.group)
+        _C.connect(self.id, handles)
+        dist.barrier(group=self.group)
+        problems = [None] * self.world_size
+        dist.all_gather_object(problems, _C.finish(self.id), group=self.group)
+        bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
+        if bad:
+            self.close()
+            raise RuntimeError("Communicator: peer-to-peer probe failed:\n" + "\n".join(bad))
+        register_shapes(self.id, OpShapes(self.world_size, cap, hidden, topk, dtype, self.device))
+
+    def _select_transport(self, requested: str) -> str:
+        if requested == "cpu":
+            return "cpu"
+        ids = [None] * self.world_size
+        dist.all_gather_object(ids, _gpu_identity(), group=self.group)
+        usable = all(i is not None for i in ids) and len(set(ids)) == len(ids)
+        if requested == "gpu" and not usable:
+            if not _C.with_gpu:
+                why = "rdna4_comm was built without GPU support"
+            elif any(i is None for i in ids):
+                why = f"ranks {[r for r, i in enumerate(ids) if i is None]} have no GPU"
+            else:
+                why = f"ranks share GPUs (current devices: {ids}); give each rank its own GPU with torch.cuda.set_device"
+            raise RuntimeError(f"Communicator: transport='gpu' is not possible: {why}")
+        return "gpu" if usable else "cpu"
+
+    # ------------------------------------------------------------------ ops
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks. Collective; out of place.
+
+        Args:
+            x: any shape, contiguous, torch.float32 (torch.bfloat16 and
+                torch.float16 are accepted and accumulated in float32), on the
+                communicator's device. Same shape and dtype on every rank.
+
+        Returns:
+            A new tensor of x's shape and dtype: the sum over ranks in ascending
+            rank order, in float32, rounded once. Bitwise identical on every rank
+            and from run to run. Small tensors take the one-shot path (one
+            barrier), large ones the two-shot path; see
+            ``rdna4_comm.allreduce_algorithm``.
+        """
+        self._check_open()
+        return torch.ops.rdna4_comm.all_reduce(x, self.id)
+
+    def dispatch(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor] = None
+    ) -> Dispatched:
+        """Send every token to the ranks that own its experts. Collective.
+
+        Args:
+            x: [T, H] of the communicator dtype, contiguous, ``0 <= T <= cap``.
+                T may differ between ranks.
+            topk_idx: [T, K] torch.int32 or torch.int64 global expert ids. Ids
+                < 0 or >= num_experts are dropped (the slot routes nowhere).
+            topk_weights: [T, K] torch.float32, or None.
+
+        Returns:
+            :class:`Dispatched`. A token reaches a rank once however many of its
+            experts live there: one row per (token, destination rank).
+        """
+        self._check_ep()
+        rx, ridx, rw, counts, recv_src, src_tokens, send_mask = torch.ops.rdna4_comm.dispatch(
+            x, topk_idx, topk_weights, self.id
+        )
+        handle = DispatchHandle(recv_src, counts, src_tokens, send_mask, self.id)
+        return Dispatched(rx, ridx, rw if topk_weights is not None else None, counts, handle)
+
+    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Return expert results to the tokens' source ranks and sum them. Collective.
+
+        Args:
+            y: [W*cap, H] of the communicator dtype, one result row per row that
+                dispatch delivered here (the expert side has already applied the
+                routing weights and reduced its local experts into that row).
+                Padding rows are ignored.
+            handle: ``Dispatched.handle`` of the matching dispatch.
+
+        Returns:
+            [T, H] of y's dtype: for every local token t, the sum over its
+            destination ranks r, ascending, of ``y_r[row_r(t)]``, accumulated in
+            float32 and rounded once. Tokens routed nowhere give zeros.
+        """
+        self._check_ep()
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError(f"combine: handle must be a DispatchHandle (Dispatched.handle), got {type(handle).__name__}")
+        if handle.comm_id != self.id:
+            raise ValueError(
+                f"combine: handle comes from communicator {handle.comm_id!r}, not from this one ({self.id!r})"
+            )
+        return torch.ops.rdna4_comm.combine(
+            y, handle.recv_src, handle.counts, handle.src_tokens, handle.send_mask, self.id
+        )
+
+    # ---------------------------------------------------------- lifecycle
+
+    def check(self) -> None:
+        """Wait for this rank's queued ops (GPU: synchronise the device) and
+        raise RuntimeError if any of them failed, e.g. timed out on a peer."""
+        self._check_open()
+        if self.transport == "gpu":
+            torch.cuda.synchronize(self.device)
+        _C.check(self.id)
+
+    def close(self) -> None:
+        """Release this rank's heap. Local (no collective): call it on every
+        rank after its last op. Idempotent."""
+        if self._open:
+            self._open = False
+            if self.transport == "gpu":
+                torch.cuda.synchronize(self.device)
+            self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._open
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        ep = (
+            f", cap={self.max_tokens_per_rank}, hidden={self.hidden}, topk={self.topk}, "
+            f"num_experts={self.num_experts}, dtype={self.dtype}"
+            if self.max_tokens_per_rank
+            else ""
+        )
+        state = "closed" if self.closed else self.transport
+        return f"Communicator(rank={self.rank}/{self.world_size}, {state}{ep})"
+
+    def _check_open(self) -> None:
+        if not self._open:
+            raise RuntimeError(f"Communicator {self.id!r} is closed")
+
+    def _check_ep(self) -> None:
+        self._check_open()
+        if not self.max_tokens_per_rank:
+            raise RuntimeError(
+                "Communicator was created without EP fields; pass max_tokens_per_rank, hidden, "
+                "topk and num_experts to use dispatch/combine"
+            )
+
+
+def _release(comm_id: str) -> None:
+    unregister_shapes(comm_id)
+    _C.destroy(comm_id)
+
+
+def allreduce_algorithm(nbytes: int, world_size: int, transport: str) -> str:
+    """The all_reduce path for a tensor of ``nbytes``: "one_shot" or "two_shot"
+    (the predicate the C++ ops use, see csrc/protocol.h)."""
+    return "one_shot" if _C.allreduce_use_one_shot(nbytes, world_size, transport == "gpu") else "two_shot"

@@ -1,0 +1,123 @@
+"""Dense single-process reference: given every rank's inputs (lists indexed by
+rank), what every rank must get from dispatch, combine and all_reduce.
+
+Pure torch. Sums run in float32 in ascending rank order and round once, the
+order the transports use, so results are comparable bitwise.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .communicator import DispatchHandle, Dispatched
+
+
+def _sum_in_rank_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    acc = parts[0].float()
+    for p in parts[1:]:
+        acc = acc + p.float()
+    return acc
+
+
+def all_reduce(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Sum of ``xs[r]`` over ranks r ascending, in float32, in the dtype of the inputs."""
+    return _sum_in_rank_order(xs).to(xs[0].dtype)
+
+
+def expert_owners(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> torch.Tensor:
+    """[T, K] int64: the rank owning each slot's expert, -1 for dropped ids."""
+    idx = topk_idx.long()
+    valid = (idx >= 0) & (idx < num_experts)
+    return torch.where(valid, idx // (num_experts // world_size), torch.full_like(idx, -1))
+
+
+def dispatch(
+    xs: Sequence[torch.Tensor],
+    topk_idxs: Sequence[torch.Tensor],
+    topk_weights: Optional[Sequence[torch.Tensor]] = None,
+    *,
+    num_experts: int,
+    max_tokens_per_rank: int,
+) -> list[Dispatched]:
+    """What each rank receives from ``Communicator.dispatch``.
+
+    Args:
+        xs: per rank, [T_r, H].
+        topk_idxs: per rank, [T_r, K] global expert ids.
+        topk_weights: per rank, [T_r, K] float32, or None.
+
+    Returns:
+        Per rank, a :class:`Dispatched` with the op's shapes. Padding rows of
+        ``x`` are zero here; the op leaves them unspecified, so compare rows
+        ``[0, counts.sum())`` only.
+    """
+    W, cap = len(xs), max_tokens_per_rank
+    epr = num_experts // W
+    owners = [expert_owners(i, num_experts, W) for i in topk_idxs]
+    ranks = torch.arange(W)
+    hits = [(o.unsqueeze(-1) == ranks).any(1) for o in owners]  # [T, W] bool
+    bits = (1 << ranks).to(torch.int32)
+    send_masks = [(h.to(torch.int32) * bits).sum(1, dtype=torch.int32) for h in hits]
+    src_tokens = torch.tensor([x.shape[0] for x in xs], dtype=torch.int32)
+
+    out = []
+    for d in range(W):
+        xr, ir, wr, sr, counts = [], [], [], [], []
+        for s in range(W):
+            toks = hits[s][:, d].nonzero().flatten()
+            here = owners[s][toks] == d
+            xr.append(xs[s][toks])
+            ir.append(torch.where(here, topk_idxs[s][toks].long() - d * epr, -1).to(torch.int32))
+            if topk_weights is not None:
+                wr.append(torch.where(here, topk_weights[s][toks], 0.0))
+            sr.append((s * cap + toks).to(torch.int32))
+            counts.append(toks.numel())
+        n, rows = sum(counts), W * cap
+        H, K = xs[d].shape[1], topk_idxs[d].shape[1]
+        x = torch.zeros(rows, H, dtype=xs[d].dtype)
+        x[:n] = torch.cat(xr)
+        idx = torch.full((rows, K), -1, dtype=torch.int32)
+        idx[:n] = torch.cat(ir)
+        w = None
+        if topk_weights is not None:
+            w = torch.zeros(rows, K, dtype=torch.float32)
+            w[:n] = torch.cat(wr)
+        src = torch.full((rows,), -1, dtype=torch.int32)
+        src[:n] = torch.cat(sr)
+        cnt = torch.tensor(counts, dtype=torch.int32)
+        handle = DispatchHandle(src, cnt, src_tokens.clone(), send_masks[d], "reference")
+        out.append(Dispatched(x, idx, w, cnt, handle))
+    return out
+
+
+def combine(ys: Sequence[torch.Tensor], dispatched: Sequence[Dispatched]) -> list[torch.Tensor]:
+    """What each rank gets from ``Communicator.combine``.
+
+    Args:
+        ys: per rank, [W*cap, H] expert results, one row per received row.
+        dispatched: per rank, the dispatch result (``reference.dispatch``'s or
+            the op's; only the handles are read).
+
+    Returns:
+        Per rank, [T_r, H] in the dtype of ``ys``: for each token the float32
+        sum over its destination ranks ascending, rounded once; zeros for tokens
+        routed nowhere.
+    """
+    W = len(ys)
+    cap = dispatched[0].handle.recv_src.shape[0] // W
+    out = []
+    for s in range(W):
+        T, H = dispatched[s].handle.send_mask.shape[0], ys[s].shape[1]
+        acc = torch.zeros(T, H, dtype=torch.float32)
+        seen = torch.zeros(T, dtype=torch.bool)
+        for r in range(W):
+            src = dispatched[r].handle.recv_src.long()
+            rows = ((src >= s * cap) & (src < (s + 1) * cap)).nonzero().flatten()
+            toks = src[rows] - s * cap
+            part = ys[r][rows].float()
+            first = ~seen[toks]
+            acc[toks] = torch.where(first.unsqueeze(1), part, acc[toks] + part)
+            seen[toks] = True
+        out.append(acc.to(ys[s].dtype))
+    return out

@@ -1,0 +1,66 @@
+"""Builds rdna4_comm._C.
+
+The backend follows the installed torch:
+  * CPU build of torch        -> CppExtension (CPU shared-memory transport only)
+  * CUDA build with a toolkit -> CUDAExtension (adds the GPU transport)
+  * ROCm build (torch.version.hip) -> CUDAExtension, hipified by torch; kernels
+    for PYTORCH_ROCM_ARCH (default gfx1201)
+RDNA4_COMM_BACKEND=cpu|cuda|rocm forces the choice (e.g. a GPU-less build host).
+"""
+import os
+
+import torch
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+CPU_SOURCES = ["csrc/ops.cpp", "csrc/comm.cpp", "csrc/cpu_transport.cpp"]
+GPU_SOURCES = ["csrc/gpu/gpu_comm.cpp", "csrc/gpu/kernels.cu"]
+
+
+def select_backend() -> str:
+    forced = os.environ.get("RDNA4_COMM_BACKEND", "").strip().lower()
+    if forced:
+        if forced not in ("cpu", "cuda", "rocm"):
+            raise SystemExit(f"RDNA4_COMM_BACKEND must be cpu, cuda or rocm, got {forced!r}")
+        return forced
+    if torch.version.hip:
+        return "rocm"
+    if torch.version.cuda and CUDA_HOME:
+        return "cuda"
+    return "cpu"
+
+
+def extension():
+    backend = select_backend()
+    cxx = ["-O3", "-std=c++17"]
+    if backend == "cpu":
+        print("rdna4_comm: building the CPU backend")
+        return CppExtension("rdna4_comm._C", CPU_SOURCES, extra_compile_args={"cxx": cxx})
+    if backend == "rocm":
+        os.environ.setdefault("PYTORCH_ROCM_ARCH", "gfx1201")
+        print(f"rdna4_comm: building the ROCm backend for {os.environ['PYTORCH_ROCM_ARCH']}")
+        gpu_flags = ["-O3", "-std=c++17"]
+    else:
+        print(f"rdna4_comm: building the CUDA backend (TORCH_CUDA_ARCH_LIST="
+              f"{os.environ.get('TORCH_CUDA_ARCH_LIST', 'torch default')})")
+        # No fast-math: sums must round exactly as the reference does.
+        gpu_flags = ["-O3", "-std=c++17", "-lineinfo"]
+    return CUDAExtension(
+        "rdna4_comm._C",
+        CPU_SOURCES + GPU_SOURCES,
+        define_macros=[("RDNA4_COMM_WITH_GPU", "1")],
+        extra_compile_args={"cxx": cxx, "nvcc": gpu_flags},
+    )
+
+
+setup(
+    name="rdna4_comm",
+    version="0.1.0",
+    description="Direct peer-to-peer MoE dispatch/combine and all_reduce ops for PyTorch",
+    packages=find_packages(include=["rdna4_comm", "rdna4_comm.*"]),
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    python_requires=">=3.9",
+    install_requires=["torch>=2.4"],
+    zip_safe=False,
+)

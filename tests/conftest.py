@@ -1,0 +1,62 @@
+import os
+
+import pytest
+import torch
+
+from harness import World
+
+import rdna4_comm as rc
+
+
+def gpu_world_sizes() -> list[int]:
+    """GPU worlds to test: 2 and, where more GPUs exist, all of them."""
+    if not (rc._C.with_gpu and torch.cuda.is_available()):
+        return []
+    n = min(torch.cuda.device_count(), rc._C.max_gpu_world)
+    return sorted({2, n}) if n >= 2 else []
+
+
+def _selected(transport: str) -> bool:
+    wanted = os.environ.get("RDNA4_COMM_TEST_TRANSPORTS", "cpu,gpu").split(",")
+    return transport in wanted
+
+
+CPU_WORLDS = [("cpu", w) for w in (1, 2, 3, 4)] if _selected("cpu") else []
+GPU_WORLDS = [("gpu", w) for w in gpu_world_sizes()] if _selected("gpu") else []
+ALL_WORLDS = CPU_WORLDS + GPU_WORLDS
+world_ids = [f"{t}{w}" for t, w in ALL_WORLDS]
+
+
+@pytest.fixture(scope="session")
+def worlds():
+    """worlds(transport, size) -> a live World, spawned once per session."""
+    cache: dict = {}
+
+    def get(transport: str, size: int) -> World:
+        w = cache.get((transport, size))
+        if w is None or not w.alive:
+            w = cache[(transport, size)] = World(size, transport)
+        return w
+
+    yield get
+    for w in cache.values():
+        w.close()
+
+
+@pytest.fixture(scope="session", params=ALL_WORLDS, ids=world_ids)
+def world(request, worlds) -> World:
+    return worlds(*request.param)
+
+
+@pytest.fixture(scope="session", params=CPU_WORLDS + GPU_WORLDS[:1], ids=[f"{t}{w}" for t, w in CPU_WORLDS + GPU_WORLDS[:1]])
+def world_small(request, worlds) -> World:
+    """Every CPU world and the smallest GPU world (for the slower tests)."""
+    return worlds(*request.param)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not ALL_WORLDS:
+        skip = pytest.mark.skip(reason="no transport selected by RDNA4_COMM_TEST_TRANSPORTS")
+        for item in items:
+            if "world" in getattr(item, "fixturenames", ()):
+                item.add_marker(skip)

@@ -1,0 +1,169 @@
+"""Construction, close, context manager, use after close, dead or absent
+peers (an error within the timeout, never a hang), /dev/shm hygiene."""
+from __future__ import annotations
+
+import glob
+import time
+
+import pytest
+import torch
+from common import assert_bitwise, rand
+from harness import World
+
+import rdna4_comm as rc
+from rdna4_comm import reference
+
+SHORT_TIMEOUT_MS = 700
+
+
+def shm_segments() -> list[str]:
+    return glob.glob("/dev/shm/rdna4_comm.*")
+
+
+def t_lifecycle(ctx):
+    x = rand(3, ctx.rank, (64,)).to(ctx.device)
+    c = rc.Communicator(transport=ctx.transport)
+    first = c.all_reduce(x)
+    segments_while_open = shm_segments()
+    torch.distributed.barrier()  # before any rank creates the next communicator
+    c.close()
+    c.close()  # idempotent
+    errors = []
+    for call in (lambda: c.all_reduce(x), lambda: c.check()):
+        try:
+            call()
+        except RuntimeError as e:
+            errors.append(str(e))
+    try:
+        torch.ops.rdna4_comm.all_reduce(x, c.id)
+    except ValueError as e:
+        errors.append(str(e))
+    with rc.Communicator(transport=ctx.transport) as c2:
+        second = c2.all_reduce(x)
+    return first, second, errors, c2.closed, segments_while_open, repr(c)
+
+
+def test_close_context_manager_and_use_after_close(world_small):
+    results = world_small.run(t_lifecycle)
+    ref = reference.all_reduce([rand(3, r, (64,)) for r in range(world_small.size)])
+    for first, second, errors, closed, segments, text in results:
+        assert_bitwise(first, ref)
+        assert_bitwise(second, ref)
+        assert closed and "closed" in text
+        assert len(errors) == 3 and all("closed" in e for e in errors), errors
+        # Names are unlinked once every peer has mapped them.
+        assert segments == []
+    assert shm_segments() == []
+
+
+def t_skip_one_call(ctx, skipper):
+    c = ctx.comm(timeout_ms=SHORT_TIMEOUT_MS, allreduce_slot_bytes=4096)
+    x = rand(5, ctx.rank, (256,)).to(ctx.device)
+    c.all_reduce(x)
+    c.check()
+    if ctx.rank == skipper:
+        return None
+    start = time.monotonic()
+    try:
+        c.all_reduce(x)
+        c.check()
+        message = None
+    except RuntimeError as e:
+        message = str(e)
+    elapsed = time.monotonic() - start
+    try:
+        c.all_reduce(x)
+        again = None
+    except RuntimeError as e:
+        again = str(e)
+    return message, elapsed, again
+
+
+def t_drop_communicators(ctx):
+    ctx.drop_comms()
+
+
+def t_fresh_communicator_works(ctx):
+    with rc.Communicator(transport=ctx.transport) as c:
+        return c.all_reduce(rand(8, ctx.rank, (300,)).to(ctx.device))
+
+
+def test_a_rank_that_skips_a_call_makes_the_others_raise(world_small):
+    if world_small.size == 1:
+        pytest.skip("needs a peer")
+    skipper = world_small.size - 1
+    results = world_small.run(t_skip_one_call, skipper)
+    for r, res in enumerate(results):
+        if r == skipper:
+            continue
+        message, elapsed, again = res
+        assert message is not None, "the call without its peer returned"
+        assert "all_reduce" in message and f"waiting for rank {skipper}" in message
+        assert "generation 2" in message and "timed out" in message
+        assert elapsed < SHORT_TIMEOUT_MS / 1000 + 5
+        assert again is not None and "timed out" in again  # the communicator stays failed
+    # The world (and the GPU) stays usable for new communicators.
+    world_small.run(t_drop_communicators)
+    outs = world_small.run(t_fresh_communicator_works)
+    ref = reference.all_reduce([rand(8, r, (300,)) for r in range(world_small.size)])
+    for out in outs:
+        assert_bitwise(out, ref)
+
+
+def t_open(ctx):
+    ctx.comm(timeout_ms=SHORT_TIMEOUT_MS).all_reduce(rand(1, ctx.rank, (16,)))
+    return shm_segments()
+
+
+def t_call_dead_peer(ctx):
+    start = time.monotonic()
+    try:
+        ctx.comm(timeout_ms=SHORT_TIMEOUT_MS).all_reduce(rand(2, ctx.rank, (16,)))
+        return None, time.monotonic() - start
+    except RuntimeError as e:
+        return str(e), time.monotonic() - start
+
+
+def test_a_killed_rank_makes_the_peer_raise_and_leaves_no_shm():
+    world = World(2, "cpu")
+    try:
+        assert world.run(t_open) == [[], []]
+        world.kill_rank(1)
+        assert shm_segments() == []
+        [(message, elapsed)] = world.run(t_call_dead_peer, ranks=[0])
+        assert message is not None and "waiting for rank 1" in message
+        assert elapsed < SHORT_TIMEOUT_MS / 1000 + 5
+    finally:
+        world.kill()
+    assert shm_segments() == []
+
+
+def t_bad_construction(ctx):
+    errors = {}
+    cases = {
+        "partial_ep": dict(max_tokens_per_rank=4, hidden=8),
+        "experts": dict(max_tokens_per_rank=4, hidden=8, topk=2, num_experts=ctx.world * 2 + 1),
+        "topk": dict(max_tokens_per_rank=4, hidden=8, topk=65, num_experts=ctx.world * 2),
+        "dtype": dict(max_tokens_per_rank=4, hidden=8, topk=2, num_experts=ctx.world * 2, dtype=torch.int32),
+        "transport": dict(transport="nvlink"),
+        "cap": dict(max_tokens_per_rank=0, hidden=8, topk=2, num_experts=ctx.world * 2),
+    }
+    for name, kwargs in cases.items():
+        try:
+            rc.Communicator(**kwargs)
+            errors[name] = None
+        except (ValueError, TypeError) as e:
+            errors[name] = (type(e).__name__, str(e))
+    return errors
+
+
+def test_bad_constructor_arguments(world_small):
+    if world_small.size != 2:
+        pytest.skip("argument checks are local; one world of two suffices")
+    for errors in world_small.run(t_bad_construction):
+        assert "needed together" in errors["partial_ep"][1]
+        assert "multiple of the world size" in errors["experts"][1]
+        assert "topk must be in [1, 64]" in errors["topk"][1]
+        assert errors["dtype"][0] == "TypeError"
+        assert "transport must be" in errors["transport"][1]
+        assert "max_tokens_per_rank must be a positive int" in errors["cap"][1]
