@@ -16,6 +16,23 @@ std::string shape_str(const at::Tensor& t) {
   return s.str();
 }
 
+// torch's Python spelling, which users read in error messages.
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kHalf: return "torch.float16";
+    case at::kDouble: return "torch.float64";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kShort: return "torch.int16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
+    case at::kBool: return "torch.bool";
+    default: return c10::toString(t);
+  }
+}
+
 void check_device(const char* op, const char* arg, const at::Tensor& t, const at::Device& dev) {
   TORCH_CHECK_VALUE(t.device() == dev, op, ": ", arg, " must be on ", dev,
                     " (the communicator's device), got ", t.device());
@@ -27,8 +44,8 @@ void check_contiguous(const char* op, const char* arg, const at::Tensor& t) {
 }
 
 void check_dtype(const char* op, const char* arg, const at::Tensor& t, at::ScalarType want) {
-  TORCH_CHECK_TYPE(t.scalar_type() == want, op, ": ", arg, " must be ", want, ", got ",
-                   t.scalar_type());
+  TORCH_CHECK_TYPE(t.scalar_type() == want, op, ": ", arg, " must be ", dtype_name(want), ", got ",
+                   dtype_name(t.scalar_type()));
 }
 
 void check_shape(const char* op, const char* arg, const at::Tensor& t,
@@ -76,7 +93,7 @@ at::Tensor Comm::all_reduce(const at::Tensor& x) {
   check_device(op, "x", x, device());
   auto st = x.scalar_type();
   TORCH_CHECK_TYPE(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, op,
-                   ": x must be torch.float32, torch.bfloat16 or torch.float16, got ", st);
+                   ": x must be torch.float32, torch.bfloat16 or torch.float16, got ", dtype_name(st));
   check_contiguous(op, "x", x);
   at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
   if (x.numel() > 0) all_reduce_impl(x, out);
@@ -113,7 +130,8 @@ Dispatched Comm::dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
   const int64_t T = x.size(0);
   check_device(op, "topk_idx", topk_idx, dev);
   TORCH_CHECK_TYPE(topk_idx.scalar_type() == at::kInt || topk_idx.scalar_type() == at::kLong, op,
-                   ": topk_idx must be torch.int32 or torch.int64, got ", topk_idx.scalar_type());
+                   ": topk_idx must be torch.int32 or torch.int64, got ",
+                   dtype_name(topk_idx.scalar_type()));
   check_shape(op, "topk_idx", topk_idx, {T, cfg_.topk}, "[T, topk]");
   check_contiguous(op, "topk_idx", topk_idx);
   if (topk_weights.has_value()) {

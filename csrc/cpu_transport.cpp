@@ -183,7 +183,8 @@ class CpuComm final : public Comm {
     // Receive: compact the sources' rows in rank order.
     char* rx = static_cast<char*>(out.x.data_ptr());
     int32_t* rid_out = out.topk_idx.data_ptr<int32_t>();
-    float* rw_out = wp ? out.topk_weights.data_ptr<float>() : nullptr;
+    // With T = 0 the weights may be given yet have no storage: test the optional.
+    float* rw_out = topk_weights ? out.topk_weights.data_ptr<float>() : nullptr;
     int32_t* src_out = out.recv_src.data_ptr<int32_t>();
     int32_t* counts = out.counts.data_ptr<int32_t>();
     int32_t* src_tokens = out.src_tokens.data_ptr<int32_t>();
@@ -202,6 +203,7 @@ class CpuComm final : public Comm {
       }
     }
     const int64_t rows = int64_t(W) * cap;
+    std::memset(rx + row_out * payload, 0, size_t((rows - row_out) * payload));
     std::fill(rid_out + row_out * K, rid_out + rows * K, -1);
     if (rw_out) std::fill(rw_out + row_out * K, rw_out + rows * K, 0.f);
     std::fill(src_out + row_out, src_out + rows, -1);

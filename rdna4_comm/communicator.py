@@ -45,7 +45,7 @@ class Dispatched(NamedTuple):
 
     - ``x``: [W*cap, H] of the communicator dtype. Rows ``[0, num_recv)`` are
       valid, grouped by source rank ascending, within a source by source token
-      ascending; later rows are padding with unspecified contents.
+      ascending; later rows are zero padding.
     - ``topk_idx``: [W*cap, K] int32, the local expert id (global id minus
       ``rank * num_experts / W``) where the slot's expert lives on this rank, else
       -1. Padding rows are all -1.

@@ -37,7 +37,7 @@ def unregister_shapes(comm_id: str) -> None:
     _SHAPES.pop(comm_id, None)
 
 
-def _shapes(comm_id: str, op: str, arg: str, t: torch.Tensor) -> OpShapes:
+def _shapes(comm_id: str, op: str, **tensors) -> OpShapes:
     try:
         s = _SHAPES[comm_id]
     except KeyError:
@@ -45,22 +45,23 @@ def _shapes(comm_id: str, op: str, arg: str, t: torch.Tensor) -> OpShapes:
             f"rdna4_comm: no open communicator with id {comm_id!r} in this process "
             "(it was closed, or never created here)"
         ) from None
-    # The C++ ops check everything else; a tensor on another device (meta
-    # included) reaches the fake instead of them.
-    if t.device != s.device:
-        raise ValueError(f"{op}: {arg} must be on {s.device} (the communicator's device), got {t.device}")
+    # The C++ ops check everything else; a call with a tensor on another
+    # device (meta included) reaches this fake instead of them.
+    for arg, t in tensors.items():
+        if t is not None and t.device != s.device:
+            raise ValueError(f"{op}: {arg} must be on {s.device} (the communicator's device), got {t.device}")
     return s
 
 
 @torch.library.register_fake("rdna4_comm::all_reduce")
 def _all_reduce_fake(x: torch.Tensor, comm: str) -> torch.Tensor:
-    _shapes(comm, "all_reduce", "x", x)
+    _shapes(comm, "all_reduce", x=x)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("rdna4_comm::dispatch")
 def _dispatch_fake(x, topk_idx, topk_weights, comm):
-    s = _shapes(comm, "dispatch", "x", x)
+    s = _shapes(comm, "dispatch", x=x, topk_idx=topk_idx, topk_weights=topk_weights)
     rows = s.world * s.cap
     i32 = dict(dtype=torch.int32, device=x.device)
     return (
@@ -76,5 +77,6 @@ def _dispatch_fake(x, topk_idx, topk_weights, comm):
 
 @torch.library.register_fake("rdna4_comm::combine")
 def _combine_fake(y, recv_src, counts, src_tokens, send_mask, comm):
-    s = _shapes(comm, "combine", "y", y)
+    s = _shapes(comm, "combine", y=y, recv_src=recv_src, counts=counts, src_tokens=src_tokens,
+                send_mask=send_mask)
     return y.new_empty((send_mask.shape[0], s.hidden))

@@ -48,9 +48,8 @@ def dispatch(
         topk_weights: per rank, [T_r, K] float32, or None.
 
     Returns:
-        Per rank, a :class:`Dispatched` with the op's shapes. Padding rows of
-        ``x`` are zero here; the op leaves them unspecified, so compare rows
-        ``[0, counts.sum())`` only.
+        Per rank, a :class:`Dispatched` with the op's shapes and values,
+        padding included.
     """
     W, cap = len(xs), max_tokens_per_rank
     epr = num_experts // W

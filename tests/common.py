@@ -25,3 +25,82 @@ def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str = "")
             f"{what}: {bad.shape[0]} of {a.numel()} elements differ bitwise; first at "
             f"{tuple(bad[0].tolist())}: {actual.cpu()[tuple(bad[0])]} != {expected.cpu()[tuple(bad[0])]}"
         )
+
+
+# ------------------------------------------------------------------ EP inputs
+
+ROUTINGS = (
+    "random", "all_local", "all_remote", "all_dropped", "invalid_ids", "one_expert",
+    "dest_only_in_last_slot", "duplicates_across_32", "rank_without_tokens",
+)
+
+
+def routing(kind: str, g: torch.Generator, T: int, K: int, E: int, W: int, rank: int) -> torch.Tensor:
+    """[T, K] int64 global expert ids for one rank, following ``kind``."""
+    epr = E // W
+
+    def experts_of(r, shape):
+        return r * epr + torch.randint(0, epr, shape, generator=g)
+
+    if kind in ("random", "rank_without_tokens"):
+        return torch.randint(0, E, (T, K), generator=g)
+    if kind == "all_local":
+        return experts_of(rank, (T, K))
+    if kind == "all_remote":
+        if W == 1:
+            return torch.full((T, K), -1, dtype=torch.long)
+        others = torch.tensor([r for r in range(W) if r != rank])
+        owner = others[torch.randint(0, W - 1, (T, K), generator=g)]
+        return owner * epr + torch.randint(0, epr, (T, K), generator=g)
+    if kind == "all_dropped":
+        bad = torch.tensor([-1, -5, E, E + 3])
+        return bad[torch.randint(0, 4, (T, K), generator=g)]
+    if kind == "invalid_ids":
+        idx = torch.randint(0, E, (T, K), generator=g)
+        bad = torch.tensor([-1, E, E + 11, -3])
+        pick = torch.randint(0, 2, (T, K), generator=g).bool()
+        return torch.where(pick, bad[torch.randint(0, 4, (T, K), generator=g)], idx)
+    if kind == "one_expert":
+        return torch.full((T, K), (E * 5) // 7, dtype=torch.long)
+    if kind == "dest_only_in_last_slot":
+        # Slots 0..K-2 go to this rank's experts, the last slot to the next rank's.
+        idx = experts_of(rank, (T, K))
+        idx[:, K - 1] = experts_of((rank + 1) % W, (T,))
+        return idx
+    if kind == "duplicates_across_32":
+        idx = torch.randint(0, E, (T, K), generator=g)
+        if K > 32:
+            idx[:, 32] = idx[:, 0]
+            idx[:, K - 1] = idx[:, 31]
+        elif K > 1:
+            idx[:, K - 1] = idx[:, 0]
+        return idx
+    raise ValueError(kind)
+
+
+def ep_inputs(seed: int, rank: int, world: int, T: int, cfg: dict, kind: str, weights: bool = True):
+    """Deterministic (x, topk_idx, topk_weights) for one rank of one EP case."""
+    g = torch.Generator().manual_seed(seed * 7919 + rank * 104729 + 3)
+    H, K, E = cfg["hidden"], cfg["topk"], cfg["num_experts"]
+    x = rand(seed, rank, (T, H), cfg["dtype"])
+    idx = routing(kind, g, T, K, E, world, rank)
+    idx = idx.to(torch.int32) if seed % 2 else idx
+    w = torch.rand(T, K, generator=g) + 0.125 if weights else None
+    return x, idx, w
+
+
+def expert_fn(x: torch.Tensor, rank: int, salt: int = 0) -> torch.Tensor:
+    """A stand-in expert that rounds exactly once (so eager, compiled and GPU agree bitwise)."""
+    return (x.float() * 2 + (rank + 1 + salt)).to(x.dtype)
+
+
+def assert_dispatched(actual, expected, what: str = "") -> None:
+    assert_bitwise(actual.counts, expected.counts, f"{what} counts")
+    assert_bitwise(actual.x, expected.x, f"{what} x")
+    assert_bitwise(actual.topk_idx, expected.topk_idx, f"{what} topk_idx")
+    if expected.topk_weights is None:
+        assert actual.topk_weights is None, f"{what}: weights returned without weights given"
+    else:
+        assert_bitwise(actual.topk_weights, expected.topk_weights, f"{what} topk_weights")
+    for field in ("recv_src", "counts", "src_tokens", "send_mask"):
+        assert_bitwise(getattr(actual.handle, field), getattr(expected.handle, field), f"{what} handle.{field}")

@@ -1,0 +1,298 @@
+"""dispatch/combine: bitwise against the reference for every routing edge case,
+interleaved handles, back-to-back calls, torch.compile, opcheck, bad inputs."""
+from __future__ import annotations
+
+import pytest
+import torch
+from common import ROUTINGS, assert_bitwise, assert_dispatched, ep_inputs, expert_fn, rand
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rdna4_comm import reference
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+SETTINGS = settings(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, max_examples=120)
+SMALL_SLOT = 4096  # EP tests don't need all_reduce buffers
+
+
+def ep_config(cap, hidden, topk, num_experts, dtype):
+    return dict(max_tokens_per_rank=cap, hidden=hidden, topk=topk, num_experts=num_experts, dtype=dtype,
+                allreduce_slot_bytes=SMALL_SLOT)
+
+
+def ref_cfg(cfg):
+    return dict(hidden=cfg["hidden"], topk=cfg["topk"], num_experts=cfg["num_experts"], dtype=cfg["dtype"])
+
+
+def t_round_trip(ctx, cfg, seed, Ts, kind, weights):
+    comm = ctx.comm(**cfg)
+    x, idx, w = ep_inputs(seed, ctx.rank, ctx.world, Ts[ctx.rank], ref_cfg(cfg), kind, weights)
+    dev = ctx.device
+    d = comm.dispatch(x.to(dev), idx.to(dev), None if w is None else w.to(dev))
+    out = comm.combine(expert_fn(d.x, ctx.rank), d.handle)
+    return d, out
+
+
+def expected_round_trip(W, cfg, seed, Ts, kind, weights, salt=0):
+    inputs = [ep_inputs(seed, r, W, Ts[r], ref_cfg(cfg), kind, weights) for r in range(W)]
+    xs, idxs, ws = zip(*inputs)
+    ref = reference.dispatch(list(xs), list(idxs), list(ws) if weights else None,
+                             num_experts=cfg["num_experts"], max_tokens_per_rank=cfg["max_tokens_per_rank"])
+    ys = [expert_fn(ref[r].x, r, salt) for r in range(W)]
+    return ref, reference.combine(ys, ref)
+
+
+def check_round_trip(world, cfg, seed, Ts, kind, weights):
+    results = world.run(t_round_trip, cfg, seed, Ts, kind, weights)
+    ref, ref_out = expected_round_trip(world.size, cfg, seed, Ts, kind, weights)
+    for r, (d, out) in enumerate(results):
+        assert_dispatched(d, ref[r], f"rank {r}")
+        assert_bitwise(out, ref_out[r], f"rank {r} combine")
+
+
+@st.composite
+def ep_cases(draw, world_size):
+    cap = draw(st.integers(1, 40))
+    hidden = draw(st.one_of(st.sampled_from([1, 7, 8, 13, 64, 100]), st.integers(1, 160)))
+    topk = draw(st.one_of(st.sampled_from([1, 8, 32, 33, 64]), st.integers(1, 64)))
+    num_experts = world_size * draw(st.integers(1, 24))
+    dtype = draw(st.sampled_from(DTYPES))
+    kind = draw(st.sampled_from(ROUTINGS))
+    Ts = [draw(st.one_of(st.sampled_from([0, cap]), st.integers(0, cap))) for _ in range(world_size)]
+    if kind == "rank_without_tokens":
+        Ts[draw(st.integers(0, world_size - 1))] = 0
+    cfg = ep_config(cap, hidden, topk, num_experts, dtype)
+    return cfg, draw(st.integers(0, 2**20)), Ts, kind, draw(st.booleans())
+
+
+@pytest.mark.parametrize("kind", ROUTINGS)
+def test_every_routing_kind(world, kind):
+    W = world.size
+    cfg = ep_config(24, 40, 8, 4 * W, torch.bfloat16)
+    check_round_trip(world, cfg, 7, [24 - 5 * (r % 3) for r in range(W)], kind, True)
+
+
+def test_top_k_one_to_sixty_four(world):
+    W = world.size
+    for topk in (1, 2, 8, 31, 32, 33, 63, 64):
+        cfg = ep_config(12, 24, topk, 8 * W, torch.float32)
+        check_round_trip(world, cfg, topk, [12] * W, "duplicates_across_32", topk % 2 == 0)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_matches_reference(world, data):
+    cfg, seed, Ts, kind, weights = data.draw(ep_cases(world.size))
+    check_round_trip(world, cfg, seed, Ts, kind, weights)
+
+
+def t_interleaved(ctx, cfg_a, cfg_b, seed, Ts_a, Ts_b):
+    ca, cb = ctx.comm(**cfg_a), ctx.comm(**cfg_b)
+    dev = ctx.device
+
+    def send(comm, cfg, s, Ts):
+        x, idx, w = ep_inputs(s, ctx.rank, ctx.world, Ts[ctx.rank], ref_cfg(cfg), "random")
+        return comm.dispatch(x.to(dev), idx.to(dev), w.to(dev))
+
+    # Two dispatches on one communicator, combined in reverse order, with a
+    # third on another communicator in between; no host sync anywhere.
+    a = send(ca, cfg_a, seed, Ts_a)
+    b = send(ca, cfg_a, seed + 1, Ts_a)
+    c = send(cb, cfg_b, seed + 2, Ts_b)
+    out_b = ca.combine(expert_fn(b.x, ctx.rank, 1), b.handle)
+    out_c = cb.combine(expert_fn(c.x, ctx.rank, 2), c.handle)
+    out_a = ca.combine(expert_fn(a.x, ctx.rank, 0), a.handle)
+    return [(a, out_a), (b, out_b), (c, out_c)]
+
+
+def test_interleaved_handles(world):
+    W = world.size
+    cfg_a = ep_config(16, 24, 4, 2 * W, torch.bfloat16)
+    cfg_b = ep_config(9, 8, 3, 3 * W, torch.float16)
+    Ts_a = [16 - 3 * r for r in range(W)]
+    Ts_b = [9 - 2 * r for r in range(W)]
+    results = world.run(t_interleaved, cfg_a, cfg_b, 50, Ts_a, Ts_b)
+    for i, (cfg, Ts) in enumerate(((cfg_a, Ts_a), (cfg_a, Ts_a), (cfg_b, Ts_b))):
+        ref, ref_out = expected_round_trip(W, cfg, 50 + i, Ts, "random", True, salt=i)
+        for r in range(W):
+            d, out = results[r][i]
+            assert_dispatched(d, ref[r], f"op {i} rank {r}")
+            assert_bitwise(out, ref_out[r], f"op {i} rank {r} combine")
+
+
+def back_to_back_plan(n, W, cap):
+    g = torch.Generator().manual_seed(n)
+    Ts = torch.randint(0, cap + 1, (n, W), generator=g).tolist()
+    kinds = [ROUTINGS[i] for i in torch.randint(0, len(ROUTINGS), (n,), generator=g).tolist()]
+    return Ts, kinds
+
+
+def t_back_to_back(ctx, cfg, ar_cfg, n, seed):
+    comm, ar = ctx.comm(**cfg), ctx.comm(**ar_cfg)
+    Ts, kinds = back_to_back_plan(n, ctx.world, cfg["max_tokens_per_rank"])
+    dev = ctx.device
+    outs = []
+    for i in range(n):
+        x, idx, w = ep_inputs(seed + i, ctx.rank, ctx.world, Ts[i][ctx.rank], ref_cfg(cfg), kinds[i])
+        d = comm.dispatch(x.to(dev), idx.to(dev), w.to(dev))
+        out = comm.combine(expert_fn(d.x, ctx.rank), d.handle)
+        s = ar.all_reduce(rand(seed + i, ctx.rank, (1 + 37 * i % 700,)).to(dev))
+        outs.append((d.counts, out, s))
+    return outs
+
+
+def test_back_to_back_mixed_ops_changing_shapes(world_small):
+    W = world_small.size
+    n = 40 if world_small.transport == "cpu" else 700  # x3 ops each
+    cfg = ep_config(20, 48, 6, 3 * W, torch.bfloat16)
+    ar_cfg = dict(allreduce_slot_bytes=1024)
+    results = world_small.run(t_back_to_back, cfg, ar_cfg, n, 900)
+    Ts, kinds = back_to_back_plan(n, W, 20)
+    for i in range(n):
+        ref, ref_out = expected_round_trip(W, cfg, 900 + i, Ts[i], kinds[i], True)
+        ref_sum = reference.all_reduce([rand(900 + i, r, (1 + 37 * i % 700,)) for r in range(W)])
+        for r in range(W):
+            counts, out, s = results[r][i]
+            assert_bitwise(counts, ref[r].counts, f"op {i} rank {r} counts")
+            assert_bitwise(out, ref_out[r], f"op {i} rank {r} combine")
+            assert_bitwise(s, ref_sum, f"op {i} rank {r} all_reduce")
+
+
+def t_compiled_round_trip(ctx, cfg, seed):
+    comm = ctx.comm(**cfg)
+
+    def layer(x, idx, w):
+        d = comm.dispatch(x, idx, w)
+        return comm.combine(expert_fn(d.x, ctx.rank), d.handle), d.topk_weights
+
+    compiled = torch.compile(layer, fullgraph=True)
+    res = []
+    for i, T in enumerate((5, cfg["max_tokens_per_rank"], 0)):
+        x, idx, w = (t.to(ctx.device) for t in ep_inputs(seed + i, ctx.rank, ctx.world, T, ref_cfg(cfg), "random"))
+        res.append((layer(x, idx, w), compiled(x, idx, w)))
+    return res
+
+
+def test_torch_compile_fullgraph_equals_eager(worlds):
+    cfg = ep_config(8, 16, 4, 4, torch.bfloat16)
+    for pairs in worlds("cpu", 2).run(t_compiled_round_trip, cfg, 4):
+        for (eager_out, eager_w), (comp_out, comp_w) in pairs:
+            assert_bitwise(comp_out, eager_out, "compiled combine")
+            assert_bitwise(comp_w, eager_w, "compiled weights")
+
+
+def t_opcheck(ctx, cfg):
+    comm = ctx.comm(**cfg)
+    dev = ctx.device
+    for weights in (True, False):
+        x, idx, w = ep_inputs(3, ctx.rank, ctx.world, 5, ref_cfg(cfg), "random", weights)
+        args = (x.to(dev), idx.to(dev), None if w is None else w.to(dev), comm.id)
+        torch.library.opcheck(torch.ops.rdna4_comm.dispatch.default, args)
+        d = comm.dispatch(*args[:3])
+        h = d.handle
+        y = expert_fn(d.x, ctx.rank)
+        torch.library.opcheck(torch.ops.rdna4_comm.combine.default,
+                              (y, h.recv_src, h.counts, h.src_tokens, h.send_mask, comm.id))
+    return True
+
+
+def test_opcheck(world_small):
+    W = world_small.size
+    assert all(world_small.run(t_opcheck, ep_config(6, 8, 3, 2 * W, torch.bfloat16)))
+
+
+def t_bad_inputs(ctx, cfg):
+    comm = ctx.comm(**cfg)
+    other = ctx.comm(**dict(cfg, timeout_ms=9999))
+    W, dev, cap = ctx.world, ctx.device, cfg["max_tokens_per_rank"]
+    wrong_dev = torch.device("meta") if ctx.transport == "cpu" else torch.device("cpu")
+    H, K, dt = cfg["hidden"], cfg["topk"], cfg["dtype"]
+    x, idx, w = (t.to(dev) for t in ep_inputs(1, ctx.rank, W, 4, ref_cfg(cfg), "random"))
+    foreign = other.dispatch(x, idx, w)
+    d = comm.dispatch(x, idx, w)
+    y = expert_fn(d.x, ctx.rank)
+    i64 = idx.long()
+    cases = {
+        "T>cap": lambda: comm.dispatch(torch.ones(cap + 1, H, dtype=dt, device=dev), torch.zeros(cap + 1, K, dtype=torch.long, device=dev)),
+        "x.hidden": lambda: comm.dispatch(torch.ones(4, H + 1, dtype=dt, device=dev), i64),
+        "x.dim": lambda: comm.dispatch(torch.ones(4 * H, dtype=dt, device=dev), i64),
+        "x.dtype": lambda: comm.dispatch(x.float(), i64),
+        "x.device": lambda: comm.dispatch(x.to(wrong_dev), i64),
+        "x.contiguous": lambda: comm.dispatch(torch.ones(H, 4, dtype=dt, device=dev).t(), i64),
+        "idx.K": lambda: comm.dispatch(x, i64[:, :-1]),
+        "idx.T": lambda: comm.dispatch(x, i64[:-1]),
+        "idx.dtype": lambda: comm.dispatch(x, i64.float()),
+        "idx.device": lambda: comm.dispatch(x, i64.to(wrong_dev)),
+        "w.dtype": lambda: comm.dispatch(x, i64, w.double()),
+        "w.shape": lambda: comm.dispatch(x, i64, w[:, :-1]),
+        "w.device": lambda: comm.dispatch(x, i64, w.to(wrong_dev)),
+        "y.shape": lambda: comm.combine(y[:-1], d.handle),
+        "y.hidden": lambda: comm.combine(torch.ones(W * cap, H + 1, dtype=dt, device=dev), d.handle),
+        "y.dtype": lambda: comm.combine(y.float(), d.handle),
+        "y.device": lambda: comm.combine(y.to(wrong_dev), d.handle),
+        "handle.foreign": lambda: comm.combine(y, foreign.handle),
+        "handle.type": lambda: comm.combine(y, tuple(d.handle)[:4]),
+    }
+    errors = {}
+    for name, call in cases.items():
+        try:
+            call()
+            errors[name] = None
+        except Exception as e:  # noqa: BLE001
+            errors[name] = (type(e).__name__, str(e))
+    out = comm.combine(y, d.handle)
+    other.combine(expert_fn(foreign.x, ctx.rank), foreign.handle)
+    x2, idx2, w2 = (t.to(dev) for t in ep_inputs(2, ctx.rank, W, cap, ref_cfg(cfg), "random"))
+    d2 = comm.dispatch(x2, idx2, w2)
+    out2 = comm.combine(expert_fn(d2.x, ctx.rank), d2.handle)
+    return errors, out, out2
+
+
+EXPECTED_ERRORS = {
+    "T>cap": ("ValueError", "0 <= T <= 6 (max_tokens_per_rank)"),
+    "x.hidden": ("ValueError", "x must have shape [T, 8]"),
+    "x.dim": ("ValueError", "x must have shape [T, 8]"),
+    "x.dtype": ("TypeError", "x must be torch.bfloat16, got torch.float32"),
+    "x.device": ("ValueError", "x must be on"),
+    "x.contiguous": ("ValueError", "x must be contiguous"),
+    "idx.K": ("ValueError", "topk_idx must have shape [4, 3]"),
+    "idx.T": ("ValueError", "topk_idx must have shape [4, 3]"),
+    "idx.dtype": ("TypeError", "topk_idx must be torch.int32 or torch.int64"),
+    "idx.device": ("ValueError", "topk_idx must be on"),
+    "w.dtype": ("TypeError", "topk_weights must be torch.float32, got torch.float64"),
+    "w.shape": ("ValueError", "topk_weights must have shape [4, 3]"),
+    "w.device": ("ValueError", "topk_weights must be on"),
+    "y.shape": ("ValueError", "y must have shape"),
+    "y.hidden": ("ValueError", "y must have shape"),
+    "y.dtype": ("TypeError", "y must be torch.bfloat16"),
+    "y.device": ("ValueError", "y must be on"),
+    "handle.foreign": ("ValueError", "handle comes from communicator"),
+    "handle.type": ("TypeError", "handle must be a DispatchHandle"),
+}
+
+
+def test_bad_inputs_raise_clear_errors_and_leave_the_communicator_usable(world_small):
+    W = world_small.size
+    cfg = ep_config(6, 8, 3, 2 * W, torch.bfloat16)
+    results = world_small.run(t_bad_inputs, cfg)
+    _, ref_out = expected_round_trip(W, cfg, 1, [4] * W, "random", True)
+    _, ref_out2 = expected_round_trip(W, cfg, 2, [6] * W, "random", True)
+    for r, (errors, out, out2) in enumerate(results):
+        for name, (kind, text) in EXPECTED_ERRORS.items():
+            assert errors[name] is not None, f"{name} was accepted"
+            assert errors[name][0] == kind and text in errors[name][1], (name, errors[name])
+        assert_bitwise(out, ref_out[r], "combine after rejected calls")
+        assert_bitwise(out2, ref_out2[r], "round trip after rejected calls")
+
+
+def t_all_reduce_only(ctx):
+    comm = ctx.comm(allreduce_slot_bytes=SMALL_SLOT)
+    try:
+        comm.dispatch(torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long))
+    except RuntimeError as e:
+        return str(e)
+
+
+def test_dispatch_needs_ep_fields(worlds):
+    for message in worlds("cpu", 2).run(t_all_reduce_only):
+        assert "without EP fields" in message
