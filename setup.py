@@ -32,19 +32,19 @@ def select_backend() -> str:
 
 def extension():
     backend = select_backend()
-    cxx = ["-O3", "-std=c++17"]
+    cxx = ["-O3"]
     if backend == "cpu":
         print("rdna4_comm: building the CPU backend")
         return CppExtension("rdna4_comm._C", CPU_SOURCES, extra_compile_args={"cxx": cxx})
     if backend == "rocm":
         os.environ.setdefault("PYTORCH_ROCM_ARCH", "gfx1201")
         print(f"rdna4_comm: building the ROCm backend for {os.environ['PYTORCH_ROCM_ARCH']}")
-        gpu_flags = ["-O3", "-std=c++17"]
+        gpu_flags = ["-O3"]
     else:
         print(f"rdna4_comm: building the CUDA backend (TORCH_CUDA_ARCH_LIST="
               f"{os.environ.get('TORCH_CUDA_ARCH_LIST', 'torch default')})")
         # No fast-math: sums must round exactly as the reference does.
-        gpu_flags = ["-O3", "-std=c++17", "-lineinfo"]
+        gpu_flags = ["-O3", "-lineinfo"]
     return CUDAExtension(
         "rdna4_comm._C",
         CPU_SOURCES + GPU_SOURCES,

@@ -56,10 +56,11 @@ class Comm {
 
   // Bootstrap, in this order on every rank, with a group barrier between
   // connect() and finish(): export this rank's heap, open every peer's,
-  // then release what only init needed (and probe the links).
+  // then release what only init needed and probe the links. finish()
+  // returns "" or a description of the links that failed the probe.
   virtual std::string export_handle() = 0;
   virtual void connect(const std::vector<std::string>& handles) = 0;
-  virtual void finish() {}
+  virtual std::string finish() = 0;
 
   virtual at::Device device() const = 0;
   // Raises if an earlier op failed (e.g. timed out); ops call it on entry.

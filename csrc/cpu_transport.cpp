@@ -104,9 +104,10 @@ class CpuComm final : public Comm {
 
   // Every peer has mapped the segment (the caller ran a barrier): the name
   // can go, so nothing is left in /dev/shm even if a rank is killed later.
-  void finish() override {
+  std::string finish() override {
     shm_unlink(name_.c_str());
     unlinked_ = true;
+    return "";
   }
 
   at::Device device() const override { return at::Device(at::kCPU); }
@@ -228,9 +229,13 @@ class CpuComm final : public Comm {
                         "]: the handle is not from this communicator's dispatch");
       rows += cnt[s];
     }
-    for (int64_t j = 0; j < rows; ++j)
-      TORCH_CHECK_VALUE(src[j] >= 0 && src[j] < W * cap, "combine: handle.recv_src[", j,
-                        "] = ", src[j], " is outside [0, ", W * cap, ")");
+    TORCH_CHECK_VALUE(ntok[me] == T, "combine: handle.send_mask has ", T, " tokens but handle.src_tokens says ",
+                      ntok[me], ": the handle is not from this communicator's dispatch");
+    for (int s = 0, j = 0; s < W; ++s)
+      for (int32_t k = 0; k < cnt[s]; ++k, ++j)
+        TORCH_CHECK_VALUE(src[j] >= s * cap && src[j] < s * cap + ntok[s], "combine: handle.recv_src[", j,
+                          "] = ", src[j], " is not a token of source rank ", s, " (expected [", s * cap, ", ",
+                          s * cap + ntok[s], "))");
     const uint64_t gen = next_generation(kOpCombine);
 
     int64_t row = 0;
@@ -306,11 +311,11 @@ class CpuComm final : public Comm {
     sum_in_order(st, out, srcs, m);
   }
 
-  // Rank o owns elements [o*q, min((o+1)*q, m)).
+  // Rank o owns elements [o*q, min((o+1)*q, m)) (allreduce_share).
   void two_shot_step(at::ScalarType st, const char* in, char* out, int64_t m, int64_t elt,
                      uint64_t gen) {
     const int W = cfg_.world, me = cfg_.rank;
-    const int64_t q = ceil_div(m, W);
+    const int64_t q = allreduce_share(m, W, elt);
     auto share = [&](int o) { return std::max<int64_t>(0, std::min(q, m - o * q)); };
     for (int o = 0; o < W; ++o) {
       if (o == me) continue;

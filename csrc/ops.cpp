@@ -25,7 +25,7 @@ at::Tensor combine_op(const at::Tensor& y, const at::Tensor& recv_src, const at:
   return find_comm(std::string(comm))->combine(y, recv_src, counts, src_tokens, send_mask);
 }
 
-std::string create(const std::string& id, const std::string& transport, int rank, int world, int64_t cap,
+py::bytes create(const std::string& id, const std::string& transport, int rank, int world, int64_t cap,
                    int64_t hidden, int64_t topk, int64_t num_experts, at::ScalarType dtype,
                    int64_t ar_slot_bytes, int64_t timeout_ms, int device_index) {
   CommConfig c;
@@ -52,7 +52,7 @@ std::string create(const std::string& id, const std::string& transport, int rank
                        "was built); use transport=\"cpu\" or rebuild against a GPU build of torch");
 #endif
   }
-  std::string handle = comm->export_handle();
+  py::bytes handle(comm->export_handle());  // binary on the GPU (IPC handles)
   register_comm(std::move(comm));
   return handle;
 }
@@ -61,7 +61,7 @@ void connect(const std::string& id, const std::vector<std::string>& handles) {
   find_comm(id)->connect(handles);
 }
 
-void finish(const std::string& id) { find_comm(id)->finish(); }
+std::string finish(const std::string& id) { return find_comm(id)->finish(); }
 
 void check(const std::string& id) { find_comm(id)->check(); }
 
@@ -122,6 +122,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("allreduce_use_one_shot", &allreduce_use_one_shot, py::arg("nbytes"), py::arg("world"),
         py::arg("gpu"));
   m.def("ep_chunk_tokens", &ep_chunk_tokens, py::arg("ntok"));
+  m.def("dispatch_grid", [](int64_t ntok, int world, int sm_count) {
+    const EpGrid g = dispatch_grid(ntok, world, sm_count);
+    return std::make_pair(g.send_blocks, g.recv_blocks);
+  }, py::arg("ntok"), py::arg("world"), py::arg("sm_count"));
+  m.def("combine_grid", [](int64_t ntok, int world, int sm_count) {
+    const EpGrid g = combine_grid(ntok, world, sm_count);
+    return std::make_pair(g.send_blocks, g.recv_blocks);
+  }, py::arg("ntok"), py::arg("world"), py::arg("sm_count"));
+  m.def("allreduce_blocks", &allreduce_blocks, py::arg("share_bytes"), py::arg("sm_count"));
   m.def("ep_num_chunks", &ep_num_chunks, py::arg("ntok"));
   py::dict one_shot_max;
   one_shot_max["cpu"] = kCpuOneShotMaxBytes;

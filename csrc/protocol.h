@@ -91,6 +91,55 @@ RC_HD bool allreduce_use_one_shot(int64_t nbytes, int world, bool gpu) {
   return nbytes <= (gpu ? kGpuOneShotMaxBytes : kCpuOneShotMaxBytes);
 }
 
+// Two-shot all_reduce of an n-element chunk: rank o owns elements
+// [o*q, min((o+1)*q, n)), q rounded up to whole 16-byte vectors so every
+// share starts aligned. q * elt never exceeds a slot when n <= W * slot / elt.
+RC_HD int64_t allreduce_share(int64_t n, int world, int64_t elt) {
+  const int64_t per_vec = 16 / elt;
+  return ceil_div(ceil_div(n, world), per_vec) * per_vec;
+}
+// GPU all_reduce grid: one block per this many bytes of a rank's share.
+constexpr int64_t kAllReduceBytesPerBlock = int64_t(32) << 10;
+
+// A kernel that gives up on a peer leaves one 64-bit word in host-mapped
+// memory: bit 63 set, op in bits 56..62, peer in 48..55, generation below.
+RC_HD uint64_t encode_timeout(int op, int peer, uint64_t gen) {
+  return (uint64_t(1) << 63) | (uint64_t(op) << 56) | (uint64_t(peer & 0xff) << 48) |
+         (gen & 0xffffffffffffull);
+}
+RC_HD int timeout_op(uint64_t word) { return int((word >> 56) & 0x7f); }
+RC_HD int timeout_peer(uint64_t word) { return int((word >> 48) & 0xff); }
+RC_HD uint64_t timeout_gen(uint64_t word) { return word & 0xffffffffffffull; }
+
+// GPU launch policy. All blocks of a launch must be resident at once
+// (receivers spin on peers whose senders may wait behind them), and the
+// kernels take one block per multiprocessor, so grids stay within 3/4 of the
+// multiprocessors: a stray kernel on a few of them cannot leave a block
+// waiting for a slot. dispatch/combine split blocks into senders (at most
+// 1/2) and receivers (at most 1/4), each sized by its work items (token
+// chunks); tiny batches get a few blocks, large ones the full split.
+struct EpGrid {
+  int send_blocks;
+  int recv_blocks;
+};
+RC_HD int clamp_blocks(int64_t want, int64_t most) {
+  return int(want < 1 ? 1 : (want > most ? (most < 1 ? 1 : most) : want));
+}
+RC_HD EpGrid dispatch_grid(int64_t ntok, int world, int sm_count) {
+  // Senders own this rank's chunks; receivers take (source, chunk) items.
+  const int64_t nch = ep_num_chunks(ntok);
+  return {clamp_blocks(nch, sm_count / 2), clamp_blocks(world * nch, sm_count / 4)};
+}
+RC_HD EpGrid combine_grid(int64_t ntok, int world, int sm_count) {
+  // Senders return rows for every source's chunks; receivers sum this rank's.
+  const int64_t nch = ep_num_chunks(ntok);
+  return {clamp_blocks(world * nch, sm_count / 2), clamp_blocks(nch, sm_count / 4)};
+}
+RC_HD int allreduce_blocks(int64_t share_bytes, int sm_count) {
+  const int64_t most = sm_count / 2 < kMaxAllReduceBlocks ? sm_count / 2 : kMaxAllReduceBlocks;
+  return clamp_blocks(ceil_div(share_bytes, kAllReduceBytesPerBlock), most);
+}
+
 // --------------------------------------------------------------- routing
 
 // Rank that owns global expert `e`, or -1 when the id is dropped.

@@ -167,7 +167,11 @@ class Communicator:
         if self.world_size > _C.max_world:
             raise ValueError(f"Communicator: at most {_C.max_world} ranks are supported, got {self.world_size}")
         if timeout_ms is None:
-            timeout_ms = int(os.environ.get("RDNA4_COMM_TIMEOUT_MS", DEFAULT_TIMEOUT_MS))
+            env = os.environ.get("RDNA4_COMM_TIMEOUT_MS", str(DEFAULT_TIMEOUT_MS))
+            try:
+                timeout_ms = int(env)
+            except ValueError:
+                raise ValueError(f"RDNA4_COMM_TIMEOUT_MS must be a positive integer (milliseconds), got {env!r}") from None
         timeout_ms = _positive_int("timeout_ms", timeout_ms)
 
         self.transport = self._select_transport(transport)

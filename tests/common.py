@@ -1,9 +1,16 @@
 """Inputs and comparisons shared by the tests."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def examples(n: int) -> int:
+    """Hypothesis examples for a test, scaled by RDNA4_COMM_TEST_EXAMPLES (a factor)."""
+    return max(5, int(n * float(os.environ.get("RDNA4_COMM_TEST_EXAMPLES", "1"))))
 
 
 def rand(seed: int, rank: int, shape, dtype=torch.float32) -> torch.Tensor:

@@ -80,8 +80,11 @@ class Ctx:
 
 
 def _worker(rank: int, world: int, port: int, transport: str, conn) -> None:
+    import faulthandler
+
     import torch.distributed as dist
 
+    faulthandler.enable()  # a crash in C++ still names the Python line
     torch.set_num_threads(1)
     if transport == "gpu":
         torch.cuda.set_device(rank)
@@ -132,9 +135,15 @@ class World:
             self.conns[r].send_bytes(pickle.dumps((fn, args + extra)))
         results, errors = {}, []
         for r in ranks:
-            if not self.conns[r].poll(timeout):
-                self.kill()
-                raise WorldError(f"rank {r} did not answer {fn.__name__} within {timeout} s (world killed)")
+            waited = 0.0
+            while not self.conns[r].poll(0.5):
+                waited += 0.5
+                if not self.procs[r].is_alive():
+                    self.kill()
+                    raise WorldError(f"rank {r} died (exit code {self.procs[r].exitcode}) in {fn.__name__}")
+                if waited >= timeout:
+                    self.kill()
+                    raise WorldError(f"rank {r} did not answer {fn.__name__} within {timeout} s (world killed)")
             status, value = pickle.loads(self.conns[r].recv_bytes())
             if status == "ok":
                 results[r] = value

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from common import assert_bitwise, rand
+from common import assert_bitwise, examples, rand
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -14,7 +14,8 @@ from rdna4_comm import reference
 # A small slot makes modest tensors take several chunks on both paths.
 SLOT = 8 << 10
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-SETTINGS = settings(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+SETTINGS = settings(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
+                    max_examples=examples(100))
 
 
 def t_all_reduce(ctx, seed, shapes, dtypes, slot):

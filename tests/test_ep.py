@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from common import ROUTINGS, assert_bitwise, assert_dispatched, ep_inputs, expert_fn, rand
+from common import ROUTINGS, assert_bitwise, assert_dispatched, ep_inputs, examples, expert_fn, rand
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rdna4_comm import reference
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-SETTINGS = settings(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, max_examples=120)
+SETTINGS = settings(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, max_examples=examples(120))
 SMALL_SLOT = 4096  # EP tests don't need all_reduce buffers
 
 
@@ -283,6 +283,33 @@ def test_bad_inputs_raise_clear_errors_and_leave_the_communicator_usable(world_s
             assert errors[name][0] == kind and text in errors[name][1], (name, errors[name])
         assert_bitwise(out, ref_out[r], "combine after rejected calls")
         assert_bitwise(out2, ref_out2[r], "round trip after rejected calls")
+
+
+def t_forged_handle(ctx, cfg):
+    comm = ctx.comm(**cfg)
+    x, idx, w = ep_inputs(4, ctx.rank, ctx.world, 5, ref_cfg(cfg), "random")
+    d = comm.dispatch(x, idx, w)
+    y = expert_fn(d.x, ctx.rank)
+    errors = []
+    wrong_rank = d.handle._replace(recv_src=torch.where(d.handle.recv_src >= 0, d.handle.recv_src + 3, -1))
+    wrong_T = d.handle._replace(send_mask=d.handle.send_mask[:-1])
+    for forged in (wrong_rank, wrong_T):
+        try:
+            comm.combine(y, forged)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors, comm.combine(y, d.handle)
+
+
+def test_forged_handle_values_are_rejected_on_the_cpu_transport(worlds):
+    cfg = ep_config(5, 8, 2, 4, torch.float32)
+    results = worlds("cpu", 2).run(t_forged_handle, cfg)
+    _, ref_out = expected_round_trip(2, cfg, 4, [5, 5], "random", True)
+    for r, (errors, out) in enumerate(results):
+        assert len(errors) == 2, errors
+        assert "is not a token of source rank" in errors[0]
+        assert "handle.send_mask has 4 tokens but handle.src_tokens says 5" in errors[1]
+        assert_bitwise(out, ref_out[r], "combine after forged handles")
 
 
 def t_all_reduce_only(ctx):

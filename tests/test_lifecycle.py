@@ -3,6 +3,7 @@ peers (an error within the timeout, never a hang), /dev/shm hygiene."""
 from __future__ import annotations
 
 import glob
+import os
 import time
 
 import pytest
@@ -16,16 +17,17 @@ from rdna4_comm import reference
 SHORT_TIMEOUT_MS = 700
 
 
-def shm_segments() -> list[str]:
-    return glob.glob("/dev/shm/rdna4_comm.*")
+def shm_segments(*pids: int) -> list[str]:
+    """This library's /dev/shm names created by the given processes (segment
+    names start with the creator's pid), so strays of other runs don't count."""
+    return [p for pid in pids for p in glob.glob(f"/dev/shm/rdna4_comm.{pid}.*")]
 
 
 def t_lifecycle(ctx):
     x = rand(3, ctx.rank, (64,)).to(ctx.device)
     c = rc.Communicator(transport=ctx.transport)
     first = c.all_reduce(x)
-    segments_while_open = shm_segments()
-    torch.distributed.barrier()  # before any rank creates the next communicator
+    segments_while_open = shm_segments(os.getpid())
     c.close()
     c.close()  # idempotent
     errors = []
@@ -53,7 +55,7 @@ def test_close_context_manager_and_use_after_close(world_small):
         assert len(errors) == 3 and all("closed" in e for e in errors), errors
         # Names are unlinked once every peer has mapped them.
         assert segments == []
-    assert shm_segments() == []
+    assert shm_segments(*(p.pid for p in world_small.procs)) == []
 
 
 def t_skip_one_call(ctx, skipper):
@@ -112,7 +114,7 @@ def test_a_rank_that_skips_a_call_makes_the_others_raise(world_small):
 
 def t_open(ctx):
     ctx.comm(timeout_ms=SHORT_TIMEOUT_MS).all_reduce(rand(1, ctx.rank, (16,)))
-    return shm_segments()
+    return shm_segments(os.getpid())
 
 
 def t_call_dead_peer(ctx):
@@ -126,16 +128,17 @@ def t_call_dead_peer(ctx):
 
 def test_a_killed_rank_makes_the_peer_raise_and_leaves_no_shm():
     world = World(2, "cpu")
+    pids = [p.pid for p in world.procs]
     try:
         assert world.run(t_open) == [[], []]
         world.kill_rank(1)
-        assert shm_segments() == []
+        assert shm_segments(*pids) == []
         [(message, elapsed)] = world.run(t_call_dead_peer, ranks=[0])
         assert message is not None and "waiting for rank 1" in message
         assert elapsed < SHORT_TIMEOUT_MS / 1000 + 5
     finally:
         world.kill()
-    assert shm_segments() == []
+    assert shm_segments(*pids) == []
 
 
 def t_bad_construction(ctx):
@@ -147,6 +150,7 @@ def t_bad_construction(ctx):
         "dtype": dict(max_tokens_per_rank=4, hidden=8, topk=2, num_experts=ctx.world * 2, dtype=torch.int32),
         "transport": dict(transport="nvlink"),
         "cap": dict(max_tokens_per_rank=0, hidden=8, topk=2, num_experts=ctx.world * 2),
+        "timeout": dict(timeout_ms=-5),
     }
     for name, kwargs in cases.items():
         try:
@@ -154,6 +158,13 @@ def t_bad_construction(ctx):
             errors[name] = None
         except (ValueError, TypeError) as e:
             errors[name] = (type(e).__name__, str(e))
+    os.environ["RDNA4_COMM_TIMEOUT_MS"] = "ten seconds"
+    try:
+        rc.Communicator()
+    except ValueError as e:
+        errors["timeout_env"] = ("ValueError", str(e))
+    finally:
+        del os.environ["RDNA4_COMM_TIMEOUT_MS"]
     return errors
 
 
@@ -167,3 +178,5 @@ def test_bad_constructor_arguments(world_small):
         assert errors["dtype"][0] == "TypeError"
         assert "transport must be" in errors["transport"][1]
         assert "max_tokens_per_rank must be a positive int" in errors["cap"][1]
+        assert "timeout_ms must be a positive int" in errors["timeout"][1]
+        assert "RDNA4_COMM_TIMEOUT_MS must be a positive integer" in errors["timeout_env"][1]

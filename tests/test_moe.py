@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 from common import rand
+from conftest import GPU_WORLDS
 
 from rdna4_comm import moe
 
@@ -37,9 +38,13 @@ def test_expert_parallel_layer_matches_dense(world, dtype):
         torch.testing.assert_close(eager.float(), dense.float(), **tol, msg=f"rank {r}")
 
 
-def test_compiled_layer_matches_eager(worlds):
-    world = worlds("cpu", 2)
-    cfg = moe_config(2, torch.float32)
-    for dense, eager, compiled in world.run(t_moe, cfg, 9, 10, "default"):
+COMPILED_WORLDS = [("cpu", 2, "default")] + [("gpu", w, "reduce-overhead") for _, w in GPU_WORLDS[:1]]
+
+
+@pytest.mark.parametrize("transport,size,mode", COMPILED_WORLDS, ids=[f"{t}{w}-{m}" for t, w, m in COMPILED_WORLDS])
+def test_compiled_layer_matches_eager(worlds, transport, size, mode):
+    world = worlds(transport, size)
+    cfg = moe_config(size, torch.float32)
+    for dense, eager, compiled in world.run(t_moe, cfg, 9, 10, mode):
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(compiled, dense, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,241 @@
+// GPU transport, host side: the peer-mapped symmetric heap (allocation, IPC
+// export/import, peer access, the init-time P2P probe) and the torch glue
+// that launches csrc/gpu/kernels.cu on the current stream.
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cstring>
+#include <sstream>
+
+#include "../comm.h"
+#include "kernels.h"
+
+namespace rdna4_comm {
+namespace {
+
+using namespace gpu;
+
+#define RC_GPU_CHECK(expr)                                                                   \
+  do {                                                                                       \
+    const ::rdna4_comm::gpu::Error rc_err_ = (expr);                                         \
+    TORCH_CHECK(rc_err_ == ::rdna4_comm::gpu::kSuccess, "rdna4_comm: ", #expr, " failed: ", \
+                ::rdna4_comm::gpu::error_string(rc_err_));                                   \
+  } while (0)
+
+// What a rank publishes about its heap: both IPC handles and its GPU's PCI
+// bus id (a peer maps it to its own device ordinal).
+struct ExportRecord {
+  IpcHandle signals;
+  IpcHandle data;
+  char pci_bus_id[32];
+};
+
+DType dtype_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DType::kF32;
+    case at::kBFloat16: return DType::kBF16;
+    default: return DType::kF16;
+  }
+}
+
+class GpuComm final : public Comm {
+ public:
+  explicit GpuComm(CommConfig cfg) : Comm(std::move(cfg)) {
+    TORCH_CHECK(cfg_.world <= kMaxGpuWorld, "rdna4_comm: the GPU transport supports at most ", kMaxGpuWorld,
+                " ranks");
+    TORCH_CHECK(cfg_.device_index >= 0, "rdna4_comm: the GPU transport needs a device index");
+    env_.layout = layout_;
+    env_.rank = cfg_.rank;
+    env_.world = cfg_.world;
+  }
+
+  ~GpuComm() override {
+    // Ops were drained by Communicator.close(); errors here cannot be raised.
+    c10::cuda::CUDAGuard guard(cfg_.device_index);
+    for (int r = 0; r < cfg_.world; ++r) {
+      if (r == cfg_.rank) continue;
+      if (env_.sig[r]) (void)ipc_close_handle(env_.sig[r]);
+      if (env_.data[r]) (void)ipc_close_handle(env_.data[r]);
+    }
+    if (env_.sig[cfg_.rank]) (void)free_device(env_.sig[cfg_.rank]);
+    if (env_.data[cfg_.rank]) (void)free_device(env_.data[cfg_.rank]);
+    if (error_host_) (void)free_host(error_host_);
+    if (probe_result_) (void)free_device(probe_result_);
+  }
+
+  std::string export_handle() override {
+    c10::cuda::CUDAGuard guard(cfg_.device_index);
+    const int dev = cfg_.device_index;
+    RC_GPU_CHECK(multiprocessor_count(&env_.sm_count, dev));
+    uint64_t ticks_per_ms = 0;
+    RC_GPU_CHECK(timer_ticks_per_ms(&ticks_per_ms, dev));
+    env_.timeout_ticks = uint64_t(cfg_.timeout_ms) * ticks_per_ms;
+
+    // Whole allocations, never sub-allocations: an imported handle opens at
+    // its allocation's base. Each is at least kMinGpuAllocation.
+    void* sig = nullptr;
+    void* data = nullptr;
+    const size_t sig_bytes = std::max(layout_.signal_bytes, kMinGpuAllocation);
+    const size_t data_bytes = std::max(layout_.data_bytes, kMinGpuAllocation);
+    RC_GPU_CHECK(malloc_signals(&sig, sig_bytes));
+    env_.sig[cfg_.rank] = static_cast<char*>(sig);
+    RC_GPU_CHECK(malloc_data(&data, data_bytes));
+    env_.data[cfg_.rank] = static_cast<char*>(data);
+    // Counters and flags start at generation 0.
+    RC_GPU_CHECK(memset_device(sig, 0, sig_bytes));
+
+    void* host = nullptr;
+    RC_GPU_CHECK(host_alloc_mapped(&host, sizeof(uint64_t)));
+    error_host_ = static_cast<uint64_t*>(host);
+    *error_host_ = 0;
+    void* dev_view = nullptr;
+    RC_GPU_CHECK(host_device_pointer(&dev_view, host));
+    env_.error = static_cast<uint64_t*>(dev_view);
+    void* probe = nullptr;
+    RC_GPU_CHECK(malloc_data(&probe, sizeof(int32_t) * kMaxGpuWorld));
+    probe_result_ = static_cast<int32_t*>(probe);
+    RC_GPU_CHECK(device_synchronize());
+
+    ExportRecord rec{};
+    RC_GPU_CHECK(ipc_get_handle(&rec.signals, sig));
+    RC_GPU_CHECK(ipc_get_handle(&rec.data, data));
+    RC_GPU_CHECK(pci_bus_id(rec.pci_bus_id, sizeof(rec.pci_bus_id), dev));
+    return std::string(reinterpret_cast<const char*>(&rec), sizeof(rec));
+  }
+
+  void connect(const std::vector<std::string>& handles) override {
+    c10::cuda::CUDAGuard guard(cfg_.device_index);
+    TORCH_CHECK(int(handles.size()) == cfg_.world, "rdna4_comm: expected ", cfg_.world, " heap handles, got ",
+                handles.size());
+    for (int r = 0; r < cfg_.world; ++r) {
+      if (r == cfg_.rank) continue;
+      TORCH_CHECK(handles[r].size() == sizeof(ExportRecord), "rdna4_comm: malformed heap handle from rank ", r);
+      ExportRecord rec;
+      std::memcpy(&rec, handles[r].data(), sizeof(rec));
+      enable_peer(r, rec.pci_bus_id);
+      void* sig = nullptr;
+      void* data = nullptr;
+      RC_GPU_CHECK(ipc_open_handle(&sig, rec.signals));
+      env_.sig[r] = static_cast<char*>(sig);
+      RC_GPU_CHECK(ipc_open_handle(&data, rec.data));
+      env_.data[r] = static_cast<char*>(data);
+    }
+  }
+
+  // Every peer writes a pattern through the real mapping and flag protocol;
+  // this rank verifies what arrived. Returns "" or what failed, per pair.
+  std::string finish() override {
+    c10::cuda::CUDAGuard guard(cfg_.device_index);
+    if (cfg_.world == 1) return "";
+    launch_probe(env_, probe_result_, c10::cuda::getCurrentCUDAStream(cfg_.device_index).stream());
+    RC_GPU_CHECK(get_last_error());
+    RC_GPU_CHECK(device_synchronize());
+    int32_t bad[kMaxGpuWorld] = {};
+    RC_GPU_CHECK(memcpy_to_host(bad, probe_result_, sizeof(bad)));
+    std::ostringstream problems;
+    for (int s = 0; s < cfg_.world; ++s) {
+      if (s == cfg_.rank) continue;
+      if (bad[s] < 0)
+        problems << "rank " << s << " -> rank " << cfg_.rank << ": the probe flag never arrived within "
+                 << cfg_.timeout_ms << " ms (peer writes are not reaching this GPU; check ACS/IOMMU); ";
+      else if (bad[s] > 0)
+        problems << "rank " << s << " -> rank " << cfg_.rank << ": " << bad[s] << " of " << kProbeBytes / 4
+                 << " probe words arrived wrong (peer writes are corrupted or dropped); ";
+    }
+    *error_host_ = 0;  // a probe timeout is reported above, not at the next op
+    return problems.str();
+  }
+
+  at::Device device() const override { return at::Device(at::kCUDA, c10::DeviceIndex(cfg_.device_index)); }
+
+  void check() override {
+    const uint64_t word = *static_cast<volatile uint64_t*>(error_host_);
+    if (word != 0) TORCH_CHECK(false, timeout_message(timeout_op(word), timeout_peer(word), timeout_gen(word)));
+  }
+
+ protected:
+  void all_reduce_impl(const at::Tensor& x, at::Tensor& out) override {
+    c10::cuda::CUDAGuard guard(cfg_.device_index);
+    const Stream stream = c10::cuda::getCurrentCUDAStream(cfg_.device_index).stream();
+    const int64_t n = x.numel(), elt = x.element_size();
+    const bool one_shot = allreduce_use_one_shot(n * elt, cfg_.world, /*gpu=*/true);
+    const int64_t chunk = (one_shot ? 1 : cfg_.world) * (layout_.ar_slot_bytes / elt);
+    const char* in = static_cast<const char*>(x.data_ptr());
+    char* o = static_cast<char*>(out.data_ptr());
+    for (int64_t off = 0; off < n; off += chunk) {
+      AllReduceArgs a{in + off * elt, o + off * elt, std::min(chunk, n - off), dtype_of(x.scalar_type()), one_shot};
+      if (cfg_.world == 1)
+        RC_GPU_CHECK(memcpy_device_async(a.out, a.in, size_t(a.n * elt), stream));
+      else
+        launch_all_reduce(env_, a, stream);
+    }
+    RC_GPU_CHECK(get_last_error());
+  }
+
+  void dispatch_impl(const at::Tensor& x, const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights,
+                     Dispatched& out) override {
+    c10::cuda::CUDAGuard guard(cfg_.device_index);
+    DispatchArgs a{};
+    a.x = x.data_ptr();
+    a.topk_idx = topk_idx.data_ptr();
+    a.idx_is_int64 = topk_idx.scalar_type() == at::kLong;
+    a.topk_weights = topk_weights ? topk_weights->data_ptr<float>() : nullptr;
+    a.ntok = x.size(0);
+    a.num_experts = cfg_.num_experts;
+    a.out_x = out.x.data_ptr();
+    a.out_idx = out.topk_idx.data_ptr<int32_t>();
+    a.out_weights = topk_weights ? out.topk_weights.data_ptr<float>() : nullptr;
+    a.out_counts = out.counts.data_ptr<int32_t>();
+    a.out_recv_src = out.recv_src.data_ptr<int32_t>();
+    a.out_src_tokens = out.src_tokens.data_ptr<int32_t>();
+    a.out_send_mask = out.send_mask.data_ptr<int32_t>();
+    launch_dispatch(env_, a, c10::cuda::getCurrentCUDAStream(cfg_.device_index).stream());
+    RC_GPU_CHECK(get_last_error());
+  }
+
+  void combine_impl(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
+                    const at::Tensor& src_tokens, const at::Tensor& send_mask, at::Tensor& out) override {
+    c10::cuda::CUDAGuard guard(cfg_.device_index);
+    CombineArgs a{};
+    a.y = y.data_ptr();
+    a.recv_src = recv_src.data_ptr<int32_t>();
+    a.counts = counts.data_ptr<int32_t>();
+    a.src_tokens = src_tokens.data_ptr<int32_t>();
+    a.send_mask = send_mask.data_ptr<int32_t>();
+    a.ntok = send_mask.size(0);
+    a.dtype = dtype_of(cfg_.dtype);
+    a.out = out.data_ptr();
+    launch_combine(env_, a, c10::cuda::getCurrentCUDAStream(cfg_.device_index).stream());
+    RC_GPU_CHECK(get_last_error());
+  }
+
+ private:
+  // Peer access for the peer's device as this process numbers it (IPC opens
+  // with lazy peer access too, for ranks that see only their own GPU).
+  // "Already enabled" is success; it leaves a sticky error, cleared here.
+  void enable_peer(int r, const char* bus_id) {
+    int peer_dev = -1;
+    if (device_by_pci_bus_id(&peer_dev, bus_id) != kSuccess || peer_dev == cfg_.device_index) {
+      (void)get_last_error();
+      return;
+    }
+    int can = 0;
+    RC_GPU_CHECK(can_access_peer(&can, cfg_.device_index, peer_dev));
+    TORCH_CHECK(can, "rdna4_comm: GPU ", cfg_.device_index, " (rank ", cfg_.rank, ") cannot access GPU ", peer_dev,
+                " (rank ", r, ", PCI ", bus_id, ") as a peer; peer-to-peer is disabled on this platform");
+    const Error e = enable_peer_access(peer_dev);
+    (void)get_last_error();
+    TORCH_CHECK(e == kSuccess || e == kPeerAccessAlreadyEnabled, "rdna4_comm: enabling peer access from GPU ",
+                cfg_.device_index, " to GPU ", peer_dev, " failed: ", error_string(e));
+  }
+
+  Env env_;
+  uint64_t* error_host_ = nullptr;
+  int32_t* probe_result_ = nullptr;
+};
+
+}  // namespace
+
+std::shared_ptr<Comm> make_gpu_comm(CommConfig cfg) { return std::make_shared<GpuComm>(std::move(cfg)); }
+
+}  // namespace rdna4_comm

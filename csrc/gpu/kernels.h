@@ -1,0 +1,73 @@
+// Launch interface of the device kernels. Plain types only (no torch), so
+// kernels.cu compiles on its own as CUDA or as HIP for any target.
+#pragma once
+
+#include <cstdint>
+
+#include "../protocol.h"
+#include "platform.h"
+
+namespace rdna4_comm {
+namespace gpu {
+
+enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+// Everything a kernel needs about the communicator. Passed by value: it never
+// changes after init, so graph-captured launches stay valid.
+struct Env {
+  Layout layout;
+  char* sig[kMaxGpuWorld];   // signal allocation of every rank (own included)
+  char* data[kMaxGpuWorld];  // data allocation of every rank
+  int rank = 0;
+  int world = 1;
+  int sm_count = 1;
+  // Device view of a host-mapped word that the first kernel thread to give up
+  // on a peer sets (see encode_timeout); the host reads it at the next op.
+  uint64_t* error = nullptr;
+  uint64_t timeout_ticks = 0;
+};
+
+struct AllReduceArgs {
+  const void* in;
+  void* out;
+  int64_t n;  // elements in this chunk (<= one slot for one-shot, W slots for two-shot)
+  DType dtype;
+  bool one_shot;
+};
+
+struct DispatchArgs {
+  const void* x;         // [T, H]
+  const void* topk_idx;  // [T, K] int32 or int64
+  bool idx_is_int64;
+  const float* topk_weights;  // [T, K] or nullptr
+  int64_t ntok;
+  int64_t num_experts;
+  void* out_x;            // [W*cap, H]
+  int32_t* out_idx;       // [W*cap, K]
+  float* out_weights;     // [W*cap, K] or nullptr
+  int32_t* out_counts;    // [W]
+  int32_t* out_recv_src;  // [W*cap]
+  int32_t* out_src_tokens;  // [W]
+  int32_t* out_send_mask;   // [T]
+};
+
+struct CombineArgs {
+  const void* y;  // [W*cap, H]
+  const int32_t* recv_src;
+  const int32_t* counts;
+  const int32_t* src_tokens;
+  const int32_t* send_mask;  // [T]
+  int64_t ntok;
+  DType dtype;
+  void* out;  // [T, H]
+};
+
+void launch_all_reduce(const Env& env, const AllReduceArgs& a, Stream s);
+void launch_dispatch(const Env& env, const DispatchArgs& a, Stream s);
+void launch_combine(const Env& env, const CombineArgs& a, Stream s);
+// Writes, per source rank, the number of probe words that arrived wrong (or
+// -1 when its flag never came) into `result` (device memory, [W] int32).
+void launch_probe(const Env& env, int32_t* result, Stream s);
+
+}  // namespace gpu
+}  // namespace rdna4_comm

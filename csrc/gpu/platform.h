@@ -1,0 +1,273 @@
+// Every difference between CUDA and HIP lives here: runtime API names,
+// system-scope release/acquire, the spin-loop pause and timer, warp width,
+// ballots and half-precision bit conversions. Kernels and host glue use only
+// the names below.
+//
+// HIP is selected when compiling device code with clang/hipcc (__HIP__) or
+// host code inside a ROCm build of torch (__HIP_PLATFORM_AMD__ / USE_ROCM).
+#pragma once
+
+#include <cstdint>
+
+#if defined(__HIP__) || defined(__HIP_PLATFORM_AMD__) || defined(USE_ROCM)
+#define RC_HIP 1
+#include <hip/hip_runtime.h>
+#else
+#include <cuda_runtime.h>
+#endif
+
+namespace rdna4_comm {
+namespace gpu {
+
+// ------------------------------------------------------------ launches
+#ifdef RC_HIP
+using Stream = hipStream_t;
+#define RC_LAUNCH(kernel, grid, block, smem, stream, ...) \
+  hipLaunchKernelGGL(kernel, dim3(grid), dim3(block), smem, stream, __VA_ARGS__)
+#else
+using Stream = cudaStream_t;
+#define RC_LAUNCH(kernel, grid, block, smem, stream, ...) \
+  kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
+#endif
+
+// ------------------------------------------------------------ runtime API
+// Host glue only. kernels.cu defines RC_KERNELS_ONLY: it must also compile
+// against older HIP headers (CI checks the gfx1201 code with Debian's HIP).
+#ifndef RC_KERNELS_ONLY
+#if defined(RC_HIP) && HIP_VERSION_MAJOR < 6
+#error "rdna4_comm's GPU transport needs ROCm 6 or newer (gfx1201 needs ROCm 6.3+)"
+#endif
+#ifdef RC_HIP
+using Error = hipError_t;
+using IpcHandle = hipIpcMemHandle_t;
+constexpr Error kSuccess = hipSuccess;
+constexpr Error kPeerAccessAlreadyEnabled = hipErrorPeerAccessAlreadyEnabled;
+inline const char* error_string(Error e) { return hipGetErrorString(e); }
+inline Error get_last_error() { return hipGetLastError(); }
+inline Error set_device(int d) { return hipSetDevice(d); }
+inline Error get_device(int* d) { return hipGetDevice(d); }
+inline Error device_count(int* n) { return hipGetDeviceCount(n); }
+inline Error device_by_pci_bus_id(int* d, const char* id) { return hipDeviceGetByPCIBusId(d, id); }
+inline Error pci_bus_id(char* buf, int len, int d) { return hipDeviceGetPCIBusId(buf, len, d); }
+inline Error can_access_peer(int* ok, int d, int peer) { return hipDeviceCanAccessPeer(ok, d, peer); }
+inline Error enable_peer_access(int peer) { return hipDeviceEnablePeerAccess(peer, 0); }
+inline Error malloc_data(void** p, size_t n) { return hipMalloc(p, n); }
+// Flags and counters: uncached, so peer writes are seen without cache
+// maintenance and spins poll memory, not a stale line.
+inline Error malloc_signals(void** p, size_t n) {
+  return hipExtMallocWithFlags(p, n, hipDeviceMallocUncached);
+}
+inline Error free_device(void* p) { return hipFree(p); }
+inline Error host_alloc_mapped(void** p, size_t n) { return hipHostMalloc(p, n, hipHostMallocMapped); }
+inline Error host_device_pointer(void** d, void* h) { return hipHostGetDevicePointer(d, h, 0); }
+inline Error free_host(void* p) { return hipHostFree(p); }
+inline Error memset_device(void* p, int v, size_t n) { return hipMemset(p, v, n); }
+inline Error memcpy_to_host(void* dst, const void* src, size_t n) { return hipMemcpy(dst, src, n, hipMemcpyDeviceToHost); }
+inline Error memcpy_device_async(void* dst, const void* src, size_t n, Stream s) {
+  return hipMemcpyAsync(dst, src, n, hipMemcpyDeviceToDevice, s);
+}
+inline Error ipc_get_handle(IpcHandle* h, void* p) { return hipIpcGetMemHandle(h, p); }
+inline Error ipc_open_handle(void** p, const IpcHandle& h) {
+  return hipIpcOpenMemHandle(p, h, hipIpcMemLazyEnablePeerAccess);
+}
+inline Error ipc_close_handle(void* p) { return hipIpcCloseMemHandle(p); }
+inline Error device_synchronize() { return hipDeviceSynchronize(); }
+inline Error multiprocessor_count(int* n, int d) {
+  return hipDeviceGetAttribute(n, hipDeviceAttributeMultiprocessorCount, d);
+}
+// Spin timer ticks per millisecond: the constant-rate wall clock.
+inline Error timer_ticks_per_ms(uint64_t* t, int d) {
+  int khz = 0;
+  Error e = hipDeviceGetAttribute(&khz, hipDeviceAttributeWallClockRate, d);
+  *t = uint64_t(khz > 0 ? khz : 100000);
+  return e;
+}
+#else
+using Error = cudaError_t;
+using IpcHandle = cudaIpcMemHandle_t;
+constexpr Error kSuccess = cudaSuccess;
+constexpr Error kPeerAccessAlreadyEnabled = cudaErrorPeerAccessAlreadyEnabled;
+inline const char* error_string(Error e) { return cudaGetErrorString(e); }
+inline Error get_last_error() { return cudaGetLastError(); }
+inline Error set_device(int d) { return cudaSetDevice(d); }
+inline Error get_device(int* d) { return cudaGetDevice(d); }
+inline Error device_count(int* n) { return cudaGetDeviceCount(n); }
+inline Error device_by_pci_bus_id(int* d, const char* id) { return cudaDeviceGetByPCIBusId(d, id); }
+inline Error pci_bus_id(char* buf, int len, int d) { return cudaDeviceGetPCIBusId(buf, len, d); }
+inline Error can_access_peer(int* ok, int d, int peer) { return cudaDeviceCanAccessPeer(ok, d, peer); }
+inline Error enable_peer_access(int peer) { return cudaDeviceEnablePeerAccess(peer, 0); }
+inline Error malloc_data(void** p, size_t n) { return cudaMalloc(p, n); }
+// NVIDIA keeps peer-written device memory coherent for system-scope
+// acquire loads; a plain allocation serves for flags.
+inline Error malloc_signals(void** p, size_t n) { return cudaMalloc(p, n); }
+inline Error free_device(void* p) { return cudaFree(p); }
+inline Error host_alloc_mapped(void** p, size_t n) { return cudaHostAlloc(p, n, cudaHostAllocMapped); }
+inline Error host_device_pointer(void** d, void* h) { return cudaHostGetDevicePointer(d, h, 0); }
+inline Error free_host(void* p) { return cudaFreeHost(p); }
+inline Error memset_device(void* p, int v, size_t n) { return cudaMemset(p, v, n); }
+inline Error memcpy_to_host(void* dst, const void* src, size_t n) { return cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost); }
+inline Error memcpy_device_async(void* dst, const void* src, size_t n, Stream s) {
+  return cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, s);
+}
+inline Error ipc_get_handle(IpcHandle* h, void* p) { return cudaIpcGetMemHandle(h, p); }
+inline Error ipc_open_handle(void** p, const IpcHandle& h) {
+  return cudaIpcOpenMemHandle(p, h, cudaIpcMemLazyEnablePeerAccess);
+}
+inline Error ipc_close_handle(void* p) { return cudaIpcCloseMemHandle(p); }
+inline Error device_synchronize() { return cudaDeviceSynchronize(); }
+inline Error multiprocessor_count(int* n, int d) {
+  return cudaDeviceGetAttribute(n, cudaDevAttrMultiProcessorCount, d);
+}
+// Spin timer ticks per millisecond: %globaltimer counts nanoseconds.
+inline Error timer_ticks_per_ms(uint64_t* t, int) {
+  *t = 1000000;
+  return cudaSuccess;
+}
+#endif
+#endif  // RC_KERNELS_ONLY
+
+// --------------------------------------------------------------- device
+#if defined(__CUDACC__) || defined(__HIPCC__) || defined(__HIP__)
+#define RC_DEVICE __device__ __forceinline__
+
+// Publish: every store this thread (and, after a block barrier, its block)
+// made becomes visible to all agents of the system before `v` does.
+RC_DEVICE void store_release_sys(uint64_t* p, uint64_t v) {
+#ifdef RC_HIP
+  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+#endif
+}
+
+// Observe a flag; loads after it see everything published before it.
+RC_DEVICE uint64_t load_acquire_sys(const uint64_t* p) {
+#ifdef RC_HIP
+  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+#endif
+}
+
+// Relaxed system-scope load for words other agents write (the abort word).
+RC_DEVICE uint64_t load_relaxed_sys(const uint64_t* p) {
+#ifdef RC_HIP
+  return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+#endif
+}
+
+RC_DEVICE void store_relaxed_sys(uint64_t* p, uint64_t v) {
+#ifdef RC_HIP
+  __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+#endif
+}
+
+// Device-scope fence for the last-block-done count on this GPU's own memory.
+// (Publication needs no separate fence: the system-scope release store is
+// cumulative over the stores the block barrier ordered before it.)
+RC_DEVICE void fence_device() {
+#ifdef RC_HIP
+  __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "agent");
+#else
+  __threadfence();
+#endif
+}
+
+// Block barrier, and a barrier that also tells whether `pred` held on every
+// thread. On HIP these are spelled with compiler builtins so the kernels need
+// no device library (CI compiles them against Debian's HIP headers).
+RC_DEVICE void block_sync() {
+#ifdef RC_HIP
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
+  __builtin_amdgcn_s_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
+#else
+  __syncthreads();
+#endif
+}
+RC_DEVICE bool block_all(bool pred) {
+#ifdef RC_HIP
+  __shared__ int all;
+  if (threadIdx.x == 0) all = 1;
+  block_sync();
+  if (!pred) all = 0;
+  block_sync();
+  const bool result = all != 0;
+  block_sync();  // everyone has read `all` before a later call resets it
+  return result;
+#else
+  return __syncthreads_and(pred);
+#endif
+}
+
+// Timer for bounded spins; ticks per ms from timer_ticks_per_ms().
+RC_DEVICE uint64_t timer_ticks() {
+#ifdef RC_HIP
+  return __builtin_readsteadycounter();
+#else
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+#endif
+}
+
+// Back off inside a spin: frees issue slots for the copies still running.
+RC_DEVICE void spin_pause() {
+#ifdef RC_HIP
+  __builtin_amdgcn_s_sleep(2);
+#else
+  __nanosleep(64);
+#endif
+}
+
+// Lanes per warp/wavefront: 32 on NVIDIA and RDNA, 64 on CDNA. Ballots are
+// 64-bit everywhere so one type serves both.
+RC_DEVICE int warp_size() { return warpSize; }
+RC_DEVICE int lane_id() { return int(threadIdx.x) % warpSize; }
+RC_DEVICE uint64_t warp_ballot(bool pred) {
+#ifdef RC_HIP
+  return uint64_t(__ballot(pred));
+#else
+  return uint64_t(__ballot_sync(0xffffffffu, pred));
+#endif
+}
+RC_DEVICE int popcount64(uint64_t v) { return __popcll(v); }
+
+// Bit-exact IEEE conversions, matching torch's CPU rounding (round to
+// nearest even; bf16 NaN -> 0x7FC0).
+RC_DEVICE float bf16_bits_to_float(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
+RC_DEVICE uint16_t float_to_bf16_bits(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+RC_DEVICE float f16_bits_to_float(uint16_t b) {
+#ifdef RC_HIP
+  return float(__builtin_bit_cast(_Float16, b));
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b));
+  return f;
+#endif
+}
+RC_DEVICE uint16_t float_to_f16_bits(float f) {
+#ifdef RC_HIP
+  return __builtin_bit_cast(uint16_t, _Float16(f));
+#else
+  uint16_t b;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(b) : "f"(f));
+  return b;
+#endif
+}
+#endif  // device code
+
+}  // namespace gpu
+}  // namespace rdna4_comm

