@@ -1,0 +1,253 @@
+"""What bench_allreduce.py and bench_ep.py share: the command line, the world
+they run in, the JSONL results file (header first, never overwritten), the
+progress bar, the summary table and the speedup heatmap.
+
+Results file: one JSON object per line. The first is the header (``"type":
+"header"``: versions, device, world size, transport, timestamp, command
+line); then one ``"type": "result"`` line per (configuration, backend) with
+its p50/p10/p90 in microseconds and ``ratio`` = p50 of that backend / p50 of
+rdna4_comm (the speedup of rdna4_comm over it; 1.0 for rdna4_comm itself);
+notes the run printed are kept as ``"type": "note"`` lines.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+from rdna4_comm import _timing
+
+ROUNDS_SAMPLES = {  # (rounds, samples) unless given
+    "gpu": (10, 50),
+    "cpu": (4, 10),
+    "quick": (2, 5),
+}
+
+
+def parse_args(description: str, argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a small subset of configurations (a few seconds on CPUs)")
+    p.add_argument("--transport", choices=("auto", "cpu", "gpu"), default="auto",
+                   help="auto: one process per GPU with >= 2 usable GPUs, else CPU processes (default)")
+    p.add_argument("--world", type=int, help="number of processes (default: every GPU, or 2 CPU processes)")
+    p.add_argument("--rounds", type=int, help="rounds; backends alternate order between rounds "
+                   f"(default {ROUNDS_SAMPLES['gpu'][0]} on GPUs, {ROUNDS_SAMPLES['cpu'][0]} on CPUs, "
+                   f"{ROUNDS_SAMPLES['quick'][0]} with --quick)")
+    p.add_argument("--samples", type=int, help="timed calls per backend per round "
+                   f"(default {ROUNDS_SAMPLES['gpu'][1]} on GPUs, {ROUNDS_SAMPLES['cpu'][1]} on CPUs, "
+                   f"{ROUNDS_SAMPLES['quick'][1]} with --quick)")
+    p.add_argument("--tokens", type=int, nargs="+", help="only these token counts")
+    p.add_argument("--hidden", type=int, nargs="+", help="only these hidden sizes")
+    p.add_argument("--out", type=Path,
+                   help="results file (.jsonl); refuses to overwrite (default: results/<bench>-<transport>-w<W>-<time>.jsonl)")
+    args = p.parse_args(argv)
+    for name in ("world", "rounds", "samples"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
+    return args
+
+
+def select(configs, args) -> list[tuple[int, int]]:
+    """The (tokens, hidden) configurations that pass --tokens/--hidden."""
+    return [(t, h) for t, h in configs
+            if (args.tokens is None or t in args.tokens) and (args.hidden is None or h in args.hidden)]
+
+
+class _PlainProgress:
+    """Stand-in for tqdm where it is not installed: one line per step."""
+
+    def __init__(self, total: int, desc: str):
+        self.n, self.total, self.desc, self.postfix = 0, total, desc, ""
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        print(f"{self.desc}: {self.n}/{self.total} {self.postfix}", file=sys.stderr, flush=True)
+
+    def write(self, text: str) -> None:
+        print(text, flush=True)
+
+    def set_postfix_str(self, text: str) -> None:
+        self.postfix = text
+
+    def close(self) -> None:
+        pass
+
+
+def progress(total: int, desc: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _PlainProgress(total, desc)
+    return tqdm(total=total, desc=desc, unit="config", dynamic_ncols=True)
+
+
+def _git_commit() -> str | None:
+    """The commit of the rdna4_comm checkout, where it is one (read-only git call)."""
+    import rdna4_comm
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(rdna4_comm.__file__).parent,
+                              capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _worker(ctx, bench_worker, configs, rounds, samples) -> None:
+    ctx.emit({"info": _timing.describe(ctx)})
+    bench_worker(ctx, configs, rounds, samples)
+
+
+def run(name: str, args: argparse.Namespace, configs: list[tuple[int, int]], bench_worker) -> int:
+    """Run ``bench_worker(ctx, configs, rounds, samples)`` in a world chosen by
+    ``args`` and record what it emits: rank 0 emits one record per
+    configuration (see rdna4_comm._cases.record) and notes. Returns the exit
+    status: 0, or 1 if the world failed (a check included)."""
+    if not configs:
+        print(f"{name}: no configuration left after --tokens/--hidden", file=sys.stderr)
+        return 2
+    try:
+        transport, world = _timing.resolve_world(args.transport, args.world)
+    except ValueError as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        return 2
+    default_rounds, default_samples = ROUNDS_SAMPLES["quick" if args.quick else transport]
+    rounds, samples = args.rounds or default_rounds, args.samples or default_samples
+    out = args.out or Path("results") / f"{name}-{transport}-w{world}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    if out.exists():
+        print(f"{name}: {out} exists; refusing to overwrite it (choose another --out)", file=sys.stderr)
+        return 2
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"{name}: {len(configs)} configurations, {world} {transport.upper()} processes, "
+          f"{rounds} rounds x {samples} samples -> {out}", flush=True)
+
+    records: list[dict] = []
+    with open(out, "x") as f:  # "x": never overwrite, even if the file appeared meanwhile
+        bar = progress(len(configs), name)
+
+        def write(obj: dict) -> None:
+            f.write(json.dumps(obj) + "\n")
+            f.flush()  # a long sweep that dies keeps what it measured
+
+        def on_message(msg: dict) -> None:
+            if "info" in msg:
+                write({"type": "header", "benchmark": name, **msg["info"], "rounds": rounds, "samples": samples,
+                       "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git_commit": _git_commit(),
+                       "command": shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
+                       "ratio": "p50 of the backend / p50 of rdna4_comm (> 1: rdna4_comm is faster)"})
+            elif "note" in msg:
+                bar.write(f"note: {msg['note']}")
+                write({"type": "note", "text": msg["note"]})
+            else:
+                records.append(msg)
+                for row in _rows(msg):
+                    write(row)
+                bar.set_postfix_str(f"tokens {msg['tokens']}, hidden {msg['hidden']}")
+                bar.update(1)
+
+        try:
+            _timing.launch(_worker, (bench_worker, configs, rounds, samples),
+                           transport=transport, world=world, on_message=on_message)
+            failure = None
+        except _timing.WorldFailed as e:
+            failure = e
+        finally:
+            bar.close()
+    if failure is not None:
+        print(f"{name}: FAILED (results so far are in {out}): {failure}", file=sys.stderr)
+        return 1
+    print(summary(records))
+    save_heatmap(records, out.with_suffix(".png"), f"{name}: rdna4_comm speedup, {world} {transport.upper()} processes")
+    return 0
+
+
+def _rows(rec: dict) -> list[dict]:
+    """The result lines of one configuration record."""
+    ours = rec["stats"]["rdna4_comm"].p50_us
+    shape = {k: rec[k] for k in ("op", "tokens", "hidden", "dtype", "bytes")}
+    return [{"type": "result", **shape, "backend": b, "detail": rec["details"][b], **asdict(s), "ratio": s.p50_us / ours}
+            for b, s in rec["stats"].items()]
+
+
+def speedups(records: list[dict]) -> dict[str, list[float]]:
+    """Per baseline, rdna4_comm's speedup over it in every configuration it ran."""
+    out: dict[str, list[float]] = {}
+    for rec in records:
+        ours = rec["stats"]["rdna4_comm"].p50_us
+        for b, s in rec["stats"].items():
+            if b != "rdna4_comm":
+                out.setdefault(b, []).append(s.p50_us / ours)
+    return out
+
+
+def summary(records: list[dict]) -> str:
+    """The comparison table, what each backend timed, and per baseline the
+    geometric-mean and the minimum speedup of rdna4_comm."""
+    lines = [_timing.comparison_table(records), ""]
+    details: dict[str, str] = {}
+    for rec in records:
+        details.update(rec["details"])
+    lines += [f"{b}: {d}" for b, d in details.items()]
+    for b, ratios in speedups(records).items():
+        geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+        worst = min(range(len(ratios)), key=ratios.__getitem__)
+        rec = [r for r in records if b in r["stats"]][worst]
+        lines.append(f"speedup of rdna4_comm over {b}: geomean {geomean:.2f}x, min {ratios[worst]:.2f}x "
+                     f"(tokens {rec['tokens']}, hidden {rec['hidden']}), over {len(ratios)} configurations")
+    return "\n".join(lines)
+
+
+def save_heatmap(records: list[dict], path: Path, title: str) -> None:
+    """A PNG of rdna4_comm's speedup over each baseline on the hidden x tokens
+    grid (green: rdna4_comm faster), or a note where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.colors import LogNorm
+        from matplotlib.ticker import FuncFormatter, NullFormatter
+    except ImportError:
+        print(f"note: matplotlib is not installed; no heatmap (pip install matplotlib for {path.name})")
+        return
+    import numpy as np
+
+    ratios = speedups(records)
+    if not ratios:
+        return
+    hiddens = sorted({r["hidden"] for r in records})
+    tokens = sorted({r["tokens"] for r in records})
+    spread = max(1.25, *(max(r, 1 / r) for v in ratios.values() for r in v))
+    panel_w = max(4.0, 1.8 + 0.9 * len(hiddens))
+    fig, axes = plt.subplots(1, len(ratios), figsize=(panel_w * len(ratios), 1.8 + 0.45 * len(tokens)), squeeze=False)
+    for ax, baseline in zip(axes[0], ratios):
+        grid = np.full((len(tokens), len(hiddens)), np.nan)
+        for rec in records:
+            if baseline in rec["stats"]:
+                value = rec["stats"][baseline].p50_us / rec["stats"]["rdna4_comm"].p50_us
+                grid[tokens.index(rec["tokens"]), hiddens.index(rec["hidden"])] = value
+        image = ax.imshow(np.ma.masked_invalid(grid), cmap="RdYlGn", norm=LogNorm(1 / spread, spread),
+                          aspect="auto", origin="lower")
+        for (i, j), v in np.ndenumerate(grid):
+            if not np.isnan(v):
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(hiddens)), [str(h) for h in hiddens])
+        ax.set_yticks(range(len(tokens)), [str(t) for t in tokens])
+        ax.set_xlabel("hidden")
+        ax.set_ylabel("tokens per rank")
+        ax.set_title(f"vs {baseline}", fontsize=10)
+        bar = fig.colorbar(image, ax=ax, label="speedup (baseline p50 / rdna4_comm p50)")
+        bar.set_ticks([spread ** (k / 2) for k in range(-2, 3)])  # symmetric about 1 on the log scale
+        bar.ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.2g}"))
+        bar.ax.yaxis.set_minor_formatter(NullFormatter())
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    print(f"heatmap: {path}")

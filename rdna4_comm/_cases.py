@@ -1,0 +1,255 @@
+"""What the benchmarks and the demo time (package-internal): each rdna4_comm op
+next to its torch.distributed equivalent on the same inputs, as
+:class:`~rdna4_comm._timing.Op` lists for :func:`~rdna4_comm._timing.measure`,
+with the check every result passes before it is timed.
+
+Inputs come from :func:`pattern`: small signed integers times a power of two,
+each a hash of (rank, row, column). Sums of them over up to 32 ranks are exact
+in their dtype whatever the order, so the baselines, which sum in an order of
+their own, are checked bitwise too; and every rank can build any rank's inputs
+(or some columns of them) without communication.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import reference
+from ._timing import Ctx, Op, Stats
+from .communicator import Communicator
+
+# torch 2.13 renamed these two (the old names warn); older versions have only the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+EP_TOPK = 8
+EP_EXPERTS = 256
+# The CPU reference of one EP check handles world^2 * capacity * columns
+# elements (it computes every rank's dispatch); above this many it checks the
+# first columns only (all rows, all routing), and every column is still checked
+# through an exact identity of the round trip. 2^26 takes about 2 s.
+EP_CHECK_BUDGET = 1 << 26
+ALLREDUCE_BITS = 16  # fp32: 16-bit values, sums over 32 ranks stay within 24 bits
+EP_BITS = 4  # bf16/fp16: |value| <= 8, sums over 32 ranks stay within 8 bits
+
+
+def pattern(rank: int, rows: int, cols: int, dtype: torch.dtype, device, *, bits: int,
+            width: Optional[int] = None) -> torch.Tensor:
+    """Rank ``rank``'s deterministic input: the first ``cols`` columns of a
+    [rows, width] tensor (width defaults to cols). Values are nonzero integers
+    in [-(2^(bits-1)-1), 2^(bits-1)] times 2^-(bits//2)."""
+    width = cols if width is None else width
+    # k < 2^31 keeps k * 2654435761 within int64.
+    assert (rank + 1) * rows * width < 2**31, "pattern: tensor too large for the hash"
+    t = torch.arange(rows, device=device, dtype=torch.int64).unsqueeze(1)
+    h = torch.arange(cols, device=device, dtype=torch.int64).unsqueeze(0)
+    k = (rank * rows + t) * width + h
+    half = 2 ** (bits - 1)
+    v = ((k * 2654435761) >> 8) % (2 * half - 1) - (half - 1)  # Knuth's multiplicative hash
+    v = torch.where(v == 0, torch.full_like(v, half), v)
+    return (v.to(torch.float32) * 2.0 ** -(bits // 2)).to(dtype)
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Raise AssertionError unless dtype, shape and every byte agree."""
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a = actual.detach().cpu().contiguous()
+    e = expected.detach().cpu().contiguous()
+    if not torch.equal(a.view(torch.uint8), e.view(torch.uint8)):
+        bad = (a != e).nonzero()
+        where = tuple(bad[0].tolist()) if len(bad) else "(NaN or signed zero)"
+        raise AssertionError(f"{what}: {len(bad)} of {a.numel()} elements differ, first at {where}")
+
+
+def record(op: str, tokens: int, hidden: int, dtype: torch.dtype, ops: list[Op], stats: dict[str, Stats]) -> dict:
+    """What a worker emits for one measured configuration (see
+    :func:`~rdna4_comm._timing.comparison_table`); ``bytes`` is the payload
+    per rank."""
+    return {
+        "op": op,
+        "tokens": tokens,
+        "hidden": hidden,
+        "dtype": str(dtype).replace("torch.", ""),
+        "bytes": tokens * hidden * dtype.itemsize,
+        "stats": stats,
+        "details": {o.backend: o.detail for o in ops if o.backend in stats},
+    }
+
+
+# -------------------------------------------------------------- all_reduce
+
+
+def allreduce_ops(ctx: Ctx, comm: Communicator, tokens: int, hidden: int,
+                  symm: Optional["SymmMemOneShot"] = None) -> list[Op]:
+    """fp32 sum of a [tokens, hidden] tensor over the ranks: rdna4_comm
+    (out of place: copies the input in, returns a new tensor) against
+    torch.distributed.all_reduce (in place: no copy) and, if given, torch's
+    symmetric-memory one-shot all_reduce (reading a buffer that already holds
+    the input: no copy). The baselines get their cheapest form."""
+    dev = ctx.device
+    xs = [pattern(r, tokens, hidden, torch.float32, dev, bits=ALLREDUCE_BITS) for r in range(ctx.world)]
+    x, expected = xs[ctx.rank], reference.all_reduce(xs)
+    del xs
+    what = f"all_reduce [{tokens}, {hidden}] fp32"
+
+    def check(out):
+        assert_same(out, expected, f"{what} vs rdna4_comm.reference.all_reduce")
+
+    ops = [Op("rdna4_comm", lambda: comm.all_reduce(x), check,
+              detail="rdna4_comm.all_reduce, out of place")]
+    inplace = torch.empty_like(x)
+
+    def torch_all_reduce():
+        dist.all_reduce(inplace, group=ctx.group)
+        return inplace
+
+    ops.append(Op(ctx.baseline, torch_all_reduce, check, reset=lambda: inplace.copy_(x),
+                  detail=f"torch.distributed.all_reduce ({ctx.baseline}), in place"))
+    if symm is not None:
+        ops.append(symm.op(x, check))
+    return ops
+
+
+class SymmMemOneShot:
+    """torch.ops.symm_mem.one_shot_all_reduce over one symmetric-memory buffer
+    (GPU only), big enough for the largest tensor of a sweep."""
+
+    backend = "symm_mem_one_shot"
+
+    def __init__(self, buf: torch.Tensor, group_name: str):
+        self.buf, self.group_name = buf, group_name
+
+    @classmethod
+    def create(cls, ctx: Ctx, max_numel: int) -> Optional["SymmMemOneShot"]:
+        """Collective. None, with a note, where torch lacks it or it fails to set up."""
+        error = None
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            torch.ops.symm_mem.one_shot_all_reduce  # noqa: B018  (AttributeError where missing)
+            name = ctx.group.group_name
+            if not symm_mem.is_symm_mem_enabled_for_group(name):
+                # Needed before torch 2.13; deprecated (and a no-op) since.
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)
+                    symm_mem.enable_symm_mem_for_group(name)
+            buf = symm_mem.empty(max_numel, dtype=torch.float32, device=ctx.device)
+            symm_mem.rendezvous(buf, name)
+        except Exception as e:  # noqa: BLE001  (any failure means: no such baseline here)
+            error = f"{type(e).__name__}: {e}"
+        bad = ctx.errors(error)
+        if bad:
+            ctx.note(f"{cls.backend} skipped, torch symmetric memory is not usable here: " + "; ".join(bad))
+            return None
+        return cls(buf, name)
+
+    def op(self, x: torch.Tensor, check) -> Op:
+        view = self.buf[: x.numel()].view(x.shape)
+        return Op(self.backend, lambda: torch.ops.symm_mem.one_shot_all_reduce(view, "sum", self.group_name),
+                  check, reset=lambda: view.copy_(x), optional=True,
+                  detail="torch.ops.symm_mem.one_shot_all_reduce from a symmetric buffer holding the input")
+
+
+# ------------------------------------------------------- dispatch/combine
+
+
+def ep_routing(rank: int, tokens: int, topk: int, num_experts: int, seed: int):
+    """Rank ``rank``'s routing on the CPU: ([T, K] int32 expert ids, distinct per
+    token and uniform over the experts; [T, K] fp32 weights)."""
+    g = torch.Generator().manual_seed(seed * 100_003 + rank)
+    idx = torch.rand(tokens, num_experts, generator=g).topk(topk, dim=1).indices.to(torch.int32)
+    return idx, torch.rand(tokens, topk, generator=g)
+
+
+def _reduce_scatter_fn(ctx: Ctx, tokens: int):
+    """(fn(out, inp), description) for the baseline's reduce-scatter of [W*T, H]
+    into [T, H]: reduce_scatter_tensor, or, where the group lacks it (gloo in
+    some torch versions), an all_reduce of the whole tensor and this rank's slice."""
+    try:
+        _reduce_scatter(torch.empty(1, device=ctx.device), torch.ones(ctx.world, device=ctx.device), group=ctx.group)
+    except (RuntimeError, NotImplementedError):
+        def fallback(out, inp):
+            total = inp.clone()
+            dist.all_reduce(total, group=ctx.group)
+            out.copy_(total[ctx.rank * tokens:(ctx.rank + 1) * tokens])
+
+        return fallback, f"all_reduce + slice ({ctx.baseline} lacks reduce_scatter_tensor)"
+    return (lambda out, inp: _reduce_scatter(out, inp, group=ctx.group)), "reduce_scatter_tensor"
+
+
+def ep_ops(ctx: Ctx, comm: Communicator, tokens: int, seed: int = 0) -> list[Op]:
+    """One MoE layer's communication for ``tokens`` tokens per rank, with the
+    communicator's hidden size, top-k, experts and dtype, and fp32 weights;
+    the expert step is left out (identity: the received rows go straight back).
+
+    - rdna4_comm: ``d = dispatch(x, topk_idx, topk_weights)``, then
+      ``combine(d.x, d.handle)``. Checked bitwise against
+      rdna4_comm.reference.dispatch/combine (every output field; the payload
+      on the first columns where the reference would be slow, see
+      EP_CHECK_BUDGET), and on every column by the round trip's exact
+      identity: each token comes back times its number of destination ranks.
+    - baseline (vLLM's allgather_reducescatter EP path): all_gather of x
+      [T, H], topk_idx and topk_weights, then reduce_scatter of the gathered
+      x [W*T, H]. Checked: the gathers equal the concatenation of every rank's
+      inputs, the reduce-scatter equals the sum over ranks of this rank's rows.
+    """
+    W, rank, dev, T = ctx.world, ctx.rank, ctx.device, tokens
+    H, K, E, dtype, cap = comm.hidden, comm.topk, comm.num_experts, comm.dtype, comm.max_tokens_per_rank
+    routing = [ep_routing(r, T, K, E, seed) for r in range(W)]
+    idxs, ws = [i for i, _ in routing], [w for _, w in routing]
+    x = pattern(rank, T, H, dtype, dev, bits=EP_BITS)
+    idx, w = idxs[rank].to(dev), ws[rank].to(dev)
+    owners = idx.long() // (E // W)
+    n_dest = (owners.unsqueeze(-1) == torch.arange(W, device=dev)).any(1).sum(1)
+    round_trip = (x.float() * n_dest.unsqueeze(1)).to(dtype)
+
+    def run_rdna4():
+        d = comm.dispatch(x, idx, w)
+        return d, comm.combine(d.x, d.handle)
+
+    def check_rdna4(result):
+        d, out = result
+        cols = min(H, max(1, EP_CHECK_BUDGET // (W * W * cap)))
+        xs = [pattern(r, T, cols, dtype, "cpu", bits=EP_BITS, width=H) for r in range(W)]
+        ref = reference.dispatch(xs, idxs, ws, num_experts=E, max_tokens_per_rank=cap)
+        mine, part = ref[rank], f"[:, :{cols}]" if cols < H else ""
+        for field in ("counts", "topk_idx", "topk_weights"):
+            assert_same(getattr(d, field), getattr(mine, field), f"dispatch {field} vs reference")
+        assert_same(d.x[:, :cols], mine.x, f"dispatch x{part} vs reference")
+        for field in ("recv_src", "counts", "src_tokens", "send_mask"):
+            assert_same(getattr(d.handle, field), getattr(mine.handle, field), f"dispatch handle.{field} vs reference")
+        expected = reference.combine([r.x for r in ref], ref)[rank]
+        assert_same(out[:, :cols], expected, f"combine{part} vs reference")
+        assert_same(out, round_trip, "combine(dispatch(x).x) == x * destination ranks")
+
+    xg = torch.empty(W * T, H, dtype=dtype, device=dev)
+    ig = torch.empty(W * T, K, dtype=torch.int32, device=dev)
+    wg = torch.empty(W * T, K, dtype=torch.float32, device=dev)
+    rs_out = torch.empty(T, H, dtype=dtype, device=dev)
+    reduce_scatter, rs_how = _reduce_scatter_fn(ctx, T)
+
+    def run_baseline():
+        _all_gather(xg, x, group=ctx.group)
+        _all_gather(ig, idx, group=ctx.group)
+        _all_gather(wg, w, group=ctx.group)
+        reduce_scatter(rs_out, xg)
+        return xg, ig, wg, rs_out
+
+    def check_baseline(result):
+        xg, ig, wg, out = result
+        for r in range(W):
+            assert_same(xg[r * T:(r + 1) * T], pattern(r, T, H, dtype, dev, bits=EP_BITS), f"all_gather x, rank {r}'s rows")
+        assert_same(ig, torch.cat(idxs).to(dev), "all_gather topk_idx")
+        assert_same(wg, torch.cat(ws).to(dev), "all_gather topk_weights")
+        assert_same(out, reference.all_reduce([x] * W), f"{rs_how}: sum over ranks of this rank's rows")
+
+    return [
+        Op("rdna4_comm", run_rdna4, check_rdna4,
+           detail="dispatch(x, topk_idx, topk_weights) + combine(dispatched x, handle)"),
+        Op(ctx.baseline, run_baseline, check_baseline,
+           detail=f"all_gather x, topk_idx, topk_weights + {rs_how} of the gathered x"),
+    ]
