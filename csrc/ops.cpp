@@ -122,14 +122,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("allreduce_use_one_shot", &allreduce_use_one_shot, py::arg("nbytes"), py::arg("world"),
         py::arg("gpu"));
   m.def("ep_chunk_tokens", &ep_chunk_tokens, py::arg("ntok"));
-  m.def("dispatch_grid", [](int64_t ntok, int world, int sm_count) {
-    const EpGrid g = dispatch_grid(ntok, world, sm_count);
-    return std::make_pair(g.send_blocks, g.recv_blocks);
-  }, py::arg("ntok"), py::arg("world"), py::arg("sm_count"));
-  m.def("combine_grid", [](int64_t ntok, int world, int sm_count) {
-    const EpGrid g = combine_grid(ntok, world, sm_count);
-    return std::make_pair(g.send_blocks, g.recv_blocks);
-  }, py::arg("ntok"), py::arg("world"), py::arg("sm_count"));
+  // (send_blocks, recv_blocks) of a launch policy, for the tests.
+  auto bind_grid = [&m](const char* name, EpGrid (*policy)(int64_t, int, int)) {
+    m.def(name, [policy](int64_t ntok, int world, int sm_count) {
+      const EpGrid g = policy(ntok, world, sm_count);
+      return std::make_pair(g.send_blocks, g.recv_blocks);
+    }, py::arg("ntok"), py::arg("world"), py::arg("sm_count"));
+  };
+  bind_grid("dispatch_grid", &dispatch_grid);
+  bind_grid("combine_grid", &combine_grid);
   m.def("allreduce_blocks", &allreduce_blocks, py::arg("share_bytes"), py::arg("sm_count"));
   m.def("ep_num_chunks", &ep_num_chunks, py::arg("ntok"));
   py::dict one_shot_max;

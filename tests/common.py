@@ -8,6 +8,19 @@ import torch
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
+def errors_of(cases: dict) -> dict:
+    """Run each call of ``cases`` (name -> callable); per name, None if it
+    returned, else (exception type name, message)."""
+    errors = {}
+    for name, call in cases.items():
+        try:
+            call()
+            errors[name] = None
+        except Exception as e:  # noqa: BLE001  (the tests assert on the kind)
+            errors[name] = (type(e).__name__, str(e))
+    return errors
+
+
 def examples(n: int) -> int:
     """Hypothesis examples for a test, scaled by RDNA4_COMM_TEST_EXAMPLES (a factor)."""
     return max(5, int(n * float(os.environ.get("RDNA4_COMM_TEST_EXAMPLES", "1"))))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from common import ROUTINGS, assert_bitwise, assert_dispatched, ep_inputs, examples, expert_fn, rand
+from common import ROUTINGS, assert_bitwise, assert_dispatched, ep_inputs, errors_of, examples, expert_fn, rand
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -233,13 +233,7 @@ def t_bad_inputs(ctx, cfg):
         "handle.foreign": lambda: comm.combine(y, foreign.handle),
         "handle.type": lambda: comm.combine(y, tuple(d.handle)[:4]),
     }
-    errors = {}
-    for name, call in cases.items():
-        try:
-            call()
-            errors[name] = None
-        except Exception as e:  # noqa: BLE001
-            errors[name] = (type(e).__name__, str(e))
+    errors = errors_of(cases)
     out = comm.combine(y, d.handle)
     other.combine(expert_fn(foreign.x, ctx.rank), foreign.handle)
     x2, idx2, w2 = (t.to(dev) for t in ep_inputs(2, ctx.rank, W, cap, ref_cfg(cfg), "random"))

@@ -2,13 +2,14 @@
 peers (an error within the timeout, never a hang), /dev/shm hygiene."""
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import time
 
 import pytest
 import torch
-from common import assert_bitwise, rand
+from common import assert_bitwise, errors_of, rand
 from harness import World
 
 import rdna4_comm as rc
@@ -142,7 +143,6 @@ def test_a_killed_rank_makes_the_peer_raise_and_leaves_no_shm():
 
 
 def t_bad_construction(ctx):
-    errors = {}
     cases = {
         "partial_ep": dict(max_tokens_per_rank=4, hidden=8),
         "experts": dict(max_tokens_per_rank=4, hidden=8, topk=2, num_experts=ctx.world * 2 + 1),
@@ -152,12 +152,7 @@ def t_bad_construction(ctx):
         "cap": dict(max_tokens_per_rank=0, hidden=8, topk=2, num_experts=ctx.world * 2),
         "timeout": dict(timeout_ms=-5),
     }
-    for name, kwargs in cases.items():
-        try:
-            rc.Communicator(**kwargs)
-            errors[name] = None
-        except (ValueError, TypeError) as e:
-            errors[name] = (type(e).__name__, str(e))
+    errors = errors_of({name: functools.partial(rc.Communicator, **kwargs) for name, kwargs in cases.items()})
     os.environ["RDNA4_COMM_TIMEOUT_MS"] = "ten seconds"
     try:
         rc.Communicator()

@@ -456,6 +456,21 @@ RC_DEVICE int group_size(int64_t chunk_tokens) {
   return int(g < 1 ? 1 : (g > kMaxGroup ? kMaxGroup : g));
 }
 
+// The (source, chunk) items of every source, and the group size that fits
+// the largest chunk among them.
+struct Items {
+  int64_t count;
+  int group;
+};
+RC_DEVICE Items source_items(const int32_t* nchunks, const int32_t* ntok, int W) {
+  int64_t count = 0, cmax = 1;
+  for (int s = 0; s < W; ++s) {
+    count += nchunks[s];
+    cmax = ep_chunk_tokens(ntok[s]) > cmax ? ep_chunk_tokens(ntok[s]) : cmax;
+  }
+  return {count, group_size(cmax)};
+}
+
 struct DispatchShared {
   int32_t start[kEpTargetChunks + 1][kMaxGpuWorld];  // sender: row prefix per chunk and destination
   int32_t run[kMaxGpuWorld];
@@ -592,12 +607,9 @@ RC_DEVICE void dispatch_recv(const Env& env, const DispatchArgs& a, DispatchShar
     a.out_src_tokens[tid] = sh.ntok[tid];
   }
 
-  int64_t items = 0, cmax = 1;
-  for (int s = 0; s < W; ++s) {
-    items += sh.nchunks[s];
-    cmax = ep_chunk_tokens(sh.ntok[s]) > cmax ? ep_chunk_tokens(sh.ntok[s]) : cmax;
-  }
-  const int G = group_size(cmax);
+  const Items plan = source_items(sh.nchunks, sh.ntok, W);
+  const int64_t items = plan.count;
+  const int G = plan.group;
   // This block owns items j, j + nblocks, ...; it takes G of them at a time.
   for (int64_t first = j; first < items; first += int64_t(nblocks) * G) {
     bool got = true;
@@ -692,12 +704,9 @@ RC_DEVICE void combine_send(const Env& env, const CombineArgs& a, CombineShared&
   const int me = env.rank, W = env.world, tid = threadIdx.x;
   const int64_t payload = L.hidden * L.elt, cap = L.cap, nvec = payload / vec;
   const char* y = static_cast<const char*>(a.y);
-  int64_t items = 0, cmax = 1;
-  for (int s = 0; s < W; ++s) {
-    items += sh.nchunks[s];
-    cmax = ep_chunk_tokens(sh.ntok[s]) > cmax ? ep_chunk_tokens(sh.ntok[s]) : cmax;
-  }
-  const int G = group_size(cmax);
+  const Items plan = source_items(sh.nchunks, sh.ntok, W);
+  const int64_t items = plan.count;
+  const int G = plan.group;
   for (int64_t first = b; first < items; first += int64_t(nblocks) * G) {
     if (tid < G) {
       const int64_t item = first + int64_t(tid) * nblocks;
