@@ -81,9 +81,9 @@ RC_HD int64_t ep_num_chunks(int64_t ntok) {
 // input to every peer and sums locally (one barrier, (W-1)*N bytes out per
 // rank). Two-shot: reduce-scatter then all-gather (two barriers,
 // 2*(W-1)/W*N bytes out per rank). One-shot wins while latency dominates.
-// GPU thresholds are tuned from benchmarks/bench_allreduce.py (see
-// docs/performance.md); the CPU threshold keeps memcpy traffic down for
-// W > 2 beyond a few pages.
+// At W = 2 both move the same bytes. The GPU threshold for W > 2 is not yet
+// measured (only 2 GPUs were available; docs/performance.md); the CPU one
+// keeps memcpy traffic down for W > 2 beyond a few pages.
 constexpr int64_t kCpuOneShotMaxBytes = int64_t(64) << 10;
 constexpr int64_t kGpuOneShotMaxBytes = int64_t(512) << 10;
 RC_HD bool allreduce_use_one_shot(int64_t nbytes, int world, bool gpu) {
