@@ -1,7 +1,8 @@
 """The device kernels compile as HIP for RDNA4 (gfx1201), RDNA3 (gfx1100) and
 CDNA3 (gfx942), and the gfx1201 code keeps the protocol's promises: flags are
 published with system-scope stores, every spin sleeps, no atomic reaches
-beyond the device (no peer atomics), and waves are 32 lanes wide.
+beyond the device (no peer atomics), waves are 32 lanes wide, and nothing
+spills to scratch.
 
 Needs clang++-19 and HIP headers (Debian: clang-19 libamdhip64-dev). Skipped
 without them unless RDNA4_COMM_REQUIRE_HIP=1 (set by .ci/run).
@@ -89,6 +90,12 @@ def test_no_atomics_beyond_the_device(gfx1201):
         for line in body.splitlines():
             if "atomic" in line and "scope:" in line:
                 assert "scope:SCOPE_SYS" not in line, f"{name}: system-scope atomic: {line.strip()}"
+
+
+def test_no_scratch_on_rdna4(gfx1201_asm):
+    # Spills to scratch would put private memory traffic in every copy loop.
+    sizes = re.findall(r"\.private_segment_fixed_size:\s+(\d+)", gfx1201_asm)
+    assert sizes and all(int(n) == 0 for n in sizes), sizes
 
 
 def test_wave32_on_rdna4(gfx1201_asm):
