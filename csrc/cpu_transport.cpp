@@ -222,13 +222,10 @@ class CpuComm final : public Comm {
     const int32_t* mask = send_mask.data_ptr<int32_t>();
     const char* yp = static_cast<const char*>(y.data_ptr());
     // A handle is trusted data, but a forged one must not write out of bounds.
-    int64_t rows = 0;
-    for (int s = 0; s < W; ++s) {
+    for (int s = 0; s < W; ++s)
       TORCH_CHECK_VALUE(cnt[s] >= 0 && cnt[s] <= cap && ntok[s] >= 0 && ntok[s] <= cap,
                         "combine: handle.counts/src_tokens hold values outside [0, ", cap,
                         "]: the handle is not from this communicator's dispatch");
-      rows += cnt[s];
-    }
     TORCH_CHECK_VALUE(ntok[me] == T, "combine: handle.send_mask has ", T, " tokens but handle.src_tokens says ",
                       ntok[me], ": the handle is not from this communicator's dispatch");
     for (int s = 0, j = 0; s < W; ++s)

@@ -122,6 +122,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("allreduce_use_one_shot", &allreduce_use_one_shot, py::arg("nbytes"), py::arg("world"),
         py::arg("gpu"));
   m.def("ep_chunk_tokens", &ep_chunk_tokens, py::arg("ntok"));
+  m.def("ep_num_chunks", &ep_num_chunks, py::arg("ntok"));
   // (send_blocks, recv_blocks) of a launch policy, for the tests.
   auto bind_grid = [&m](const char* name, EpGrid (*policy)(int64_t, int, int)) {
     m.def(name, [policy](int64_t ntok, int world, int sm_count) {
@@ -132,7 +133,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_grid("dispatch_grid", &dispatch_grid);
   bind_grid("combine_grid", &combine_grid);
   m.def("allreduce_blocks", &allreduce_blocks, py::arg("share_bytes"), py::arg("sm_count"));
-  m.def("ep_num_chunks", &ep_num_chunks, py::arg("ntok"));
   py::dict one_shot_max;
   one_shot_max["cpu"] = kCpuOneShotMaxBytes;
   one_shot_max["gpu"] = kGpuOneShotMaxBytes;
