@@ -69,6 +69,18 @@ def _positive_int(name: str, value) -> int:
     return value
 
 
+SHARED_GPU_ENV = "RDNA4_COMM_ALLOW_SHARED_GPU"
+
+
+def shared_gpus_allowed() -> bool:
+    """Whether ranks may share a GPU (``RDNA4_COMM_ALLOW_SHARED_GPU=1``).
+
+    For testing the GPU transport on fewer GPUs than ranks: the peer mapping
+    then runs through IPC between processes on one device, which is correct
+    but slow, since the GPU time-slices the ranks' spinning kernels."""
+    return os.environ.get(SHARED_GPU_ENV, "0") == "1"
+
+
 def _gpu_identity() -> Optional[str]:
     """A host-unique id of this process's current GPU, or None without one."""
     if not (_C.with_gpu and torch.cuda.is_available()):
@@ -212,14 +224,18 @@ class Communicator:
             return "cpu"
         ids = [None] * self.world_size
         dist.all_gather_object(ids, _gpu_identity(), group=self.group)
-        usable = all(i is not None for i in ids) and len(set(ids)) == len(ids)
+        distinct = len(set(ids)) == len(ids) or shared_gpus_allowed()
+        usable = all(i is not None for i in ids) and distinct
         if requested == "gpu" and not usable:
             if not _C.with_gpu:
                 why = "rdna4_comm was built without GPU support"
             elif any(i is None for i in ids):
                 why = f"ranks {[r for r, i in enumerate(ids) if i is None]} have no GPU"
             else:
-                why = f"ranks share GPUs (current devices: {ids}); give each rank its own GPU with torch.cuda.set_device"
+                why = (
+                    f"ranks share GPUs (current devices: {ids}); give each rank its own GPU with "
+                    f"torch.cuda.set_device, or set {SHARED_GPU_ENV}=1 to test on fewer GPUs"
+                )
             raise RuntimeError(f"Communicator: transport='gpu' is not possible: {why}")
         return "gpu" if usable else "cpu"
 

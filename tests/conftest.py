@@ -9,10 +9,14 @@ import rdna4_comm as rc
 
 
 def gpu_world_sizes() -> list[int]:
-    """GPU worlds to test: 2 and, where more GPUs exist, all of them."""
+    """GPU worlds to test: 2 and, where more GPUs exist, all of them. With
+    RDNA4_COMM_ALLOW_SHARED_GPU=1, ranks share GPUs, so one GPU tests 2 and 4
+    ranks (RDNA4_COMM_TEST_SHARED_WORLDS overrides: "2,3")."""
     if not (rc._C.with_gpu and torch.cuda.is_available()):
         return []
     n = min(torch.cuda.device_count(), rc._C.max_gpu_world)
+    if rc.communicator.shared_gpus_allowed():
+        return [int(w) for w in os.environ.get("RDNA4_COMM_TEST_SHARED_WORLDS", "2,4").split(",")]
     return sorted({2, n}) if n >= 2 else []
 
 

@@ -50,7 +50,11 @@ class Ctx:
 
     def __init__(self, rank: int, world: int, transport: str):
         self.rank, self.world, self.transport = rank, world, transport
-        self.device = torch.device("cuda", rank) if transport == "gpu" else torch.device("cpu")
+        # Ranks share GPUs round-robin where there are fewer GPUs than ranks
+        # (only with RDNA4_COMM_ALLOW_SHARED_GPU=1; see gpu_world_sizes).
+        self.device = (
+            torch.device("cuda", rank % torch.cuda.device_count()) if transport == "gpu" else torch.device("cpu")
+        )
         self._comms: dict = {}
         self.scratch: dict = {}
 
@@ -86,12 +90,12 @@ def _worker(rank: int, world: int, port: int, transport: str, conn) -> None:
 
     faulthandler.enable()  # a crash in C++ still names the Python line
     torch.set_num_threads(1)
-    if transport == "gpu":
-        torch.cuda.set_device(rank)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     ctx = Ctx(rank, world, transport)
+    if transport == "gpu":
+        torch.cuda.set_device(ctx.device)
     while True:
         try:
             msg = pickle.loads(conn.recv_bytes())
