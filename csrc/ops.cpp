@@ -139,5 +139,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("one_shot_max_bytes") = one_shot_max;
   m.attr("max_world") = kMaxWorld;
   m.attr("max_gpu_world") = kMaxGpuWorld;
+  m.attr("max_gpu_tokens_per_rank") = kMaxGpuTokensPerRank;
   m.attr("max_topk") = kMaxTopk;
 }

@@ -76,6 +76,10 @@ RC_HD int64_t ep_num_chunks(int64_t ntok) {
   int64_t n = ceil_div(ntok, ep_chunk_tokens(ntok));
   return n < 1 ? 1 : n;  // T = 0 still publishes one (empty) chunk
 }
+// The GPU combine maps the tokens of a chunk to rows of y in shared memory,
+// which bounds a chunk, hence the tokens per rank, on the GPU transport.
+constexpr int64_t kMaxGpuChunkTokens = 2048;
+constexpr int64_t kMaxGpuTokensPerRank = kEpTargetChunks * kMaxGpuChunkTokens;
 
 // all_reduce algorithm predicate. One-shot: every rank pushes its whole
 // input to every peer and sums locally (one barrier, (W-1)*N bytes out per

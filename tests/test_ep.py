@@ -79,6 +79,17 @@ def test_top_k_one_to_sixty_four(world):
         check_round_trip(world, cfg, topk, [12] * W, "duplicates_across_32", topk % 2 == 0)
 
 
+@pytest.mark.parametrize("tokens", [129, 1000, 8320, 66000], ids=lambda t: f"T{t}")
+def test_large_batches_span_multi_token_chunks(world, tokens):
+    """Token counts past 128 give chunks of several tokens (ep_chunk_tokens),
+    past 8192 chunks of more than 64 tokens (one chunk per receive group) and
+    past 65536 chunks of more than one block of tokens."""
+    W = world.size
+    cfg = ep_config(tokens, 8, 8, 8 * W, torch.bfloat16)
+    Ts = [tokens - (r * tokens) // 3 for r in range(W)]
+    check_round_trip(world, cfg, tokens, Ts, "random", True)
+
+
 @SETTINGS
 @given(data=st.data())
 def test_matches_reference(world, data):

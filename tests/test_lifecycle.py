@@ -152,6 +152,9 @@ def t_bad_construction(ctx):
         "cap": dict(max_tokens_per_rank=0, hidden=8, topk=2, num_experts=ctx.world * 2),
         "timeout": dict(timeout_ms=-5),
     }
+    if ctx.transport == "gpu":
+        cap = rc._C.max_gpu_tokens_per_rank + 1
+        cases["gpu_cap"] = dict(max_tokens_per_rank=cap, hidden=8, topk=2, num_experts=ctx.world * 2)
     errors = errors_of({name: functools.partial(rc.Communicator, **kwargs) for name, kwargs in cases.items()})
     os.environ["RDNA4_COMM_TIMEOUT_MS"] = "ten seconds"
     try:
@@ -175,3 +178,6 @@ def test_bad_constructor_arguments(world_small):
         assert "max_tokens_per_rank must be a positive int" in errors["cap"][1]
         assert "timeout_ms must be a positive int" in errors["timeout"][1]
         assert "RDNA4_COMM_TIMEOUT_MS must be a positive integer" in errors["timeout_env"][1]
+        if "gpu_cap" in errors:
+            assert errors["gpu_cap"][0] == "ValueError"
+            assert f"max_tokens_per_rank must be at most {rc._C.max_gpu_tokens_per_rank}" in errors["gpu_cap"][1]

@@ -70,23 +70,23 @@ RC_DEVICE bool wait_flag(const Env& env, const uint64_t* flag, uint64_t gen, int
   }
 }
 
-// Block-wide: wait for flag_of(r) from every rank r (except this one when
-// skip_self). True when all arrived.
+RC_DEVICE uint32_t all_ranks(const Env& env) { return (1u << env.world) - 1; }
+RC_DEVICE uint32_t peer_ranks(const Env& env) { return all_ranks(env) & ~(1u << env.rank); }
+
+// Block-wide: wait for flag_of(r) from every rank r in `ranks`. True when all arrived.
 template <typename FlagOf>
-RC_DEVICE bool block_wait_ranks(const Env& env, uint64_t gen, int op, bool skip_self, FlagOf flag_of) {
+RC_DEVICE bool block_wait_ranks(const Env& env, uint64_t gen, int op, uint32_t ranks, FlagOf flag_of) {
   bool ok = true;
   const int r = threadIdx.x;
-  if (r < env.world && !(skip_self && r == env.rank)) ok = wait_flag(env, flag_of(r), gen, op, r);
+  if (r < env.world && (ranks >> r & 1u)) ok = wait_flag(env, flag_of(r), gen, op, r);
   return block_all(ok);
 }
 
-// After a block barrier: thread r < world publishes gen into flag_of(r).
+// After a block barrier: thread r publishes gen into flag_of(r), for every rank r in `ranks`.
 template <typename FlagOf>
-RC_DEVICE void block_signal_ranks(const Env& env, uint64_t gen, bool skip_self, FlagOf flag_of) {
+RC_DEVICE void block_signal_ranks(const Env& env, uint64_t gen, uint32_t ranks, FlagOf flag_of) {
   const int r = threadIdx.x;
-  if (r < env.world && !(skip_self && r == env.rank)) {
-    store_release_sys(flag_of(r), gen);
-  }
+  if (r < env.world && (ranks >> r & 1u)) store_release_sys(flag_of(r), gen);
 }
 
 // ------------------------------------------------------------------ copies
@@ -311,8 +311,8 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Env env, AllReduce
                vector_bytes(e1 - e0));
   }
   block_sync();
-  block_signal_ranks(env, gen, true, [&](int r) { return L.ar_flag(env.sig[r], gen, 0, me, b); });
-  bool ok = block_wait_ranks(env, gen, kOpAllReduce, true,
+  block_signal_ranks(env, gen, peer_ranks(env), [&](int r) { return L.ar_flag(env.sig[r], gen, 0, me, b); });
+  bool ok = block_wait_ranks(env, gen, kOpAllReduce, peer_ranks(env),
                              [&](int r) { return L.ar_flag(env.sig[me], gen, 0, r, b); });
 
   // Reduce this block's part of our own share, rank by rank.
@@ -326,14 +326,14 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Env env, AllReduce
       if (r < W) src.p[r] = (r == me ? in + mine * elt : L.ar_slot(env.data[me], gen, r)) + e0 * elt;
     char* dst = out + (mine + e0) * elt;
     with_dtype(a.dtype, [&](auto d) {
-      sum_elements<decltype(d)::value>(dst, src, (1u << W) - 1, 0, e1 - e0, aligned);
+      sum_elements<decltype(d)::value>(dst, src, all_ranks(env), 0, e1 - e0, aligned);
     });
   }
   if (!a.one_shot) {
     // Phase 1: hand the reduced part to every peer, then collect theirs.
     block_sync();
     if (ok) {
-      const uint32_t peers = ((1u << W) - 1) & ~(1u << me);
+      const uint32_t peers = peer_ranks(env);
       const char* reduced = out + (mine + e0) * elt;
       with_vector(vector_bytes(e1 - e0), [&](auto tag) {
         using V = typename decltype(tag)::type;
@@ -344,8 +344,8 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Env env, AllReduce
       });
     }
     block_sync();
-    if (ok) block_signal_ranks(env, gen, true, [&](int r) { return L.ar_flag(env.sig[r], gen, 1, me, b); });
-    ok = ok && block_wait_ranks(env, gen, kOpAllReduce, true,
+    if (ok) block_signal_ranks(env, gen, peer_ranks(env), [&](int r) { return L.ar_flag(env.sig[r], gen, 1, me, b); });
+    ok = ok && block_wait_ranks(env, gen, kOpAllReduce, peer_ranks(env),
                                 [&](int r) { return L.ar_flag(env.sig[me], gen, 1, r, b); });
     if (ok) {
       for (int o = 0; o < W; ++o) {
@@ -457,7 +457,8 @@ RC_DEVICE int group_size(int64_t chunk_tokens) {
 }
 
 // The (source, chunk) items of every source, and the group size that fits
-// the largest chunk among them.
+// the largest chunk among them. A source listed with no chunks (this rank:
+// its own rows never pass through the heap) has no items.
 struct Items {
   int64_t count;
   int group;
@@ -465,6 +466,7 @@ struct Items {
 RC_DEVICE Items source_items(const int32_t* nchunks, const int32_t* ntok, int W) {
   int64_t count = 0, cmax = 1;
   for (int s = 0; s < W; ++s) {
+    if (nchunks[s] == 0) continue;
     count += nchunks[s];
     cmax = ep_chunk_tokens(ntok[s]) > cmax ? ep_chunk_tokens(ntok[s]) : cmax;
   }
@@ -480,6 +482,15 @@ struct DispatchShared {
   int32_t ntok[kMaxGpuWorld], nrows[kMaxGpuWorld], nchunks[kMaxGpuWorld], offset[kMaxGpuWorld + 1];
   int32_t item_src[kMaxGroup];
   uint32_t item_row_start[kMaxGroup], item_nrows[kMaxGroup];
+};
+
+// Where one dispatched row's routing goes: the destination's heap row, or,
+// for this rank's own rows, the output tensors themselves.
+struct RowMeta {
+  int32_t* ids;      // [K] local expert ids
+  float* weights;    // [K], or nullptr when the op has no weights
+  int32_t* src;      // the row's source slot
+  int32_t src_value;
 };
 
 template <typename IdxT, int KF>
@@ -520,6 +531,17 @@ RC_DEVICE void dispatch_send(const Env& env, const DispatchArgs& a, DispatchShar
     head->nrows = uint32_t(sh.start[nch][tid]);
     store_release_sys(&head->gen, gen);
   }
+  // This rank's own rows skip the heap: they go straight to the output, after
+  // the rows of every lower rank, whose counts come from their headers.
+  // Headers are published before any wait, so this wait cannot deadlock.
+  const uint32_t lower = (1u << me) - 1;
+  if (!block_wait_ranks(env, gen, kOpDispatch, lower, [&](int s) { return &L.ep_head(env.sig[me], gen, s)->gen; }))
+    return;
+  if (tid < W) sh.nrows[tid] = tid < me ? int32_t(L.ep_head(env.sig[me], gen, tid)->nrows) : 0;
+  block_sync();
+  int64_t self_base = 0;
+  for (int s = 0; s < me; ++s) self_base += sh.nrows[s];
+  char* out_x = static_cast<char*>(a.out_x);
 
   for (int64_t c = b; c < nch; c += nblocks) {
     const int64_t t_end = (c + 1) * C < T ? (c + 1) * C : T;
@@ -537,7 +559,19 @@ RC_DEVICE void dispatch_send(const Env& env, const DispatchArgs& a, DispatchShar
         if (d < W) sh.batch_pos[tid][d] = pos[d];
       block_sync();
       const int batch = int(t_end - t0 < nt ? t_end - t0 : nt);
-      auto row_in = [&](uint32_t r, int d) { return L.ep_row(env.data[d], gen, me, sh.batch_pos[r][d]); };
+      auto row_in = [&](uint32_t r, int d) {
+        return d == me ? out_x + (self_base + sh.batch_pos[r][d]) * payload
+                       : L.ep_row(env.data[d], gen, me, sh.batch_pos[r][d]);
+      };
+      auto meta_of = [&](uint32_t r, int d) {
+        if (d == me) {
+          const int64_t o = self_base + sh.batch_pos[r][d];
+          return RowMeta{a.out_idx + o * K, a.out_weights ? a.out_weights + o * K : nullptr, a.out_recv_src + o,
+                         int32_t(me * L.cap + t0 + r)};
+        }
+        char* row = row_in(r, d);
+        return RowMeta{L.row_ids(row), L.row_weights(row), L.row_token(row), int32_t(t0 + r)};
+      };
       // Each token's row is loaded once and stored to every destination.
       with_vector(vec, [&](auto tag) {
         using V = typename decltype(tag)::type;
@@ -558,21 +592,24 @@ RC_DEVICE void dispatch_send(const Env& env, const DispatchArgs& a, DispatchShar
 #pragma unroll
         for (int d = 0; d < kMaxGpuWorld; ++d) {
           if (!(tm >> d & 1u)) continue;
-          char* row = row_in(r, d);
-          L.row_ids(row)[k] = owner == d ? int32_t(e - d * route.epr) : -1;
-          L.row_weights(row)[k] = owner == d ? w : 0.f;
+          const RowMeta m = meta_of(r, d);
+          m.ids[k] = owner == d ? int32_t(e - d * route.epr) : -1;
+          if (m.weights) m.weights[k] = owner == d ? w : 0.f;
         }
       }
       for (int r = tid; r < batch; r += nt) {
         const uint32_t tm = sh.batch_mask[r];
 #pragma unroll
-        for (int d = 0; d < kMaxGpuWorld; ++d)
-          if (tm >> d & 1u) *L.row_token(row_in(r, d)) = int32_t(t0 + r);
+        for (int d = 0; d < kMaxGpuWorld; ++d) {
+          if (!(tm >> d & 1u)) continue;
+          const RowMeta m = meta_of(r, d);
+          *m.src = m.src_value;
+        }
       }
       block_sync();
     }
-    // Publish chunk c to every destination, empty or not.
-    if (tid < W) {
+    // Publish chunk c to every peer, empty or not.
+    if (tid < W && tid != me) {
       ChunkSlot* slot = L.ep_chunk(env.sig[tid], gen, me, c);
       slot->row_start = uint32_t(sh.start[c][tid]);
       slot->nrows = uint32_t(sh.start[c + 1][tid] - sh.start[c][tid]);
@@ -588,13 +625,13 @@ RC_DEVICE void dispatch_recv(const Env& env, const DispatchArgs& a, DispatchShar
   const int64_t payload = L.hidden * L.elt, K = L.topk, cap = L.cap, nvec = payload / vec;
   char* out_x = static_cast<char*>(a.out_x);
 
-  if (!block_wait_ranks(env, gen, kOpDispatch, false, [&](int s) { return &L.ep_head(env.sig[me], gen, s)->gen; }))
+  if (!block_wait_ranks(env, gen, kOpDispatch, all_ranks(env), [&](int s) { return &L.ep_head(env.sig[me], gen, s)->gen; }))
     return;
   if (tid < W) {
     const HeadSlot* head = L.ep_head(env.sig[me], gen, tid);
     sh.ntok[tid] = int32_t(head->ntok);
     sh.nrows[tid] = int32_t(head->nrows);
-    sh.nchunks[tid] = int32_t(ep_num_chunks(head->ntok));
+    sh.nchunks[tid] = tid == me ? 0 : int32_t(ep_num_chunks(head->ntok));  // own rows: written by senders
   }
   block_sync();
   if (tid == 0) {
@@ -685,6 +722,9 @@ struct CombineShared {
   int32_t count[kMaxGpuWorld], offset[kMaxGpuWorld + 1], ntok[kMaxGpuWorld], nchunks[kMaxGpuWorld];
   int32_t item_src[kMaxGroup], item_lo[kMaxGroup], item_hi[kMaxGroup];
   int64_t item_chunk[kMaxGroup];
+  // Receiver: the row of y that holds this rank's own contribution to each
+  // token of a group of chunks (a group never exceeds kMaxGpuChunkTokens).
+  int32_t own_row[kMaxGpuChunkTokens];
 };
 
 // First row in [lo, hi) whose source token is >= t (rows are sorted by token).
@@ -694,6 +734,16 @@ RC_DEVICE int32_t lower_bound_token(const int32_t* recv_src, int32_t lo, int32_t
     if (recv_src[mid] - base < t) lo = mid + 1; else hi = mid;
   }
   return lo;
+}
+
+// Rows [lo, hi) of y that came from source s's chunk c: dispatch lays each
+// source's rows out in token order.
+RC_DEVICE void chunk_rows(const CombineArgs& a, const CombineShared& sh, int64_t cap, int s, int64_t c, int32_t* lo,
+                          int32_t* hi) {
+  const int64_t C = ep_chunk_tokens(sh.ntok[s]), base = int64_t(s) * cap;
+  const int32_t last_row = sh.offset[s] + sh.count[s];
+  *lo = lower_bound_token(a.recv_src, sh.offset[s], last_row, base, c * C);
+  *hi = lower_bound_token(a.recv_src, *lo, last_row, base, (c + 1) * C);
 }
 
 // Rows go back to their source's inbox, a group of (source, chunk) items at a
@@ -715,13 +765,9 @@ RC_DEVICE void combine_send(const Env& env, const CombineArgs& a, CombineShared&
         int s;
         int64_t c;
         item_to_chunk(item, sh.nchunks, W, &s, &c);
-        const int64_t C = ep_chunk_tokens(sh.ntok[s]), base = int64_t(s) * cap;
-        const int32_t first_row = sh.offset[s], last_row = sh.offset[s] + sh.count[s];
-        const int32_t lo = lower_bound_token(a.recv_src, first_row, last_row, base, c * C);
         sh.item_src[tid] = s;
         sh.item_chunk[tid] = c;
-        sh.item_lo[tid] = lo;
-        sh.item_hi[tid] = lower_bound_token(a.recv_src, lo, last_row, base, (c + 1) * C);
+        chunk_rows(a, sh, cap, s, c, &sh.item_lo[tid], &sh.item_hi[tid]);
       }
     }
     block_sync();
@@ -744,26 +790,45 @@ RC_DEVICE void combine_send(const Env& env, const CombineArgs& a, CombineShared&
 }
 
 // Each token's output: its rows from every destination rank, summed in
-// ascending rank order (sum_one). Thread (g, r) of a group waits for chunk
-// g's flag from rank r.
+// ascending rank order (sum_one). Peers' rows come from the inbox; this
+// rank's own come straight from y. Thread (g, r) of a group waits for chunk
+// g's flag from peer r, while threads from kThreads / 2 (W * G never reaches
+// them) locate each chunk's own rows.
+static_assert(kMaxGpuWorld * kMaxGroup <= kThreads / 2, "combine waiters must leave the upper half-block free");
+static_assert(kGroupRows <= kMaxGpuChunkTokens, "a group of small chunks must fit CombineShared::own_row");
 template <DType D>
-RC_DEVICE void combine_recv(const Env& env, const CombineArgs& a, uint64_t gen, int j, int nblocks, int vec) {
+RC_DEVICE void combine_recv(const Env& env, const CombineArgs& a, CombineShared& sh, uint64_t gen, int j,
+                            int nblocks, int vec) {
   const Layout& L = env.layout;
-  const int me = env.rank, W = env.world, tid = threadIdx.x;
-  const int64_t payload = L.hidden * L.elt;
+  const int me = env.rank, W = env.world, tid = threadIdx.x, nt = blockDim.x;
+  const int64_t payload = L.hidden * L.elt, own_base = int64_t(me) * L.cap;
   const int64_t T = a.ntok, C = ep_chunk_tokens(T), nch = ep_num_chunks(T);
   const int G = group_size(C);
+  const char* y = static_cast<const char*>(a.y);
   char* out = static_cast<char*>(a.out);
   for (int64_t first = j; first < nch; first += int64_t(nblocks) * G) {
     const int g = tid / W, r = tid - g * W;
     const int64_t c = first + int64_t(g) * nblocks;
     bool ok = true;
-    if (g < G && c < nch) ok = wait_flag(env, L.cb_flag(env.sig[me], gen, r, c), gen, kOpCombine, r);
+    if (g < G && c < nch && r != me) ok = wait_flag(env, L.cb_flag(env.sig[me], gen, r, c), gen, kOpCombine, r);
+    const int q = tid - kThreads / 2;
+    if (q >= 0 && q < G && first + int64_t(q) * nblocks < nch)
+      chunk_rows(a, sh, L.cap, me, first + int64_t(q) * nblocks, &sh.item_lo[q], &sh.item_hi[q]);
     if (!block_all(ok)) return;
     for (int gg = 0; gg < G; ++gg) {
       const int64_t cc = first + int64_t(gg) * nblocks;
       if (cc >= nch) break;
+      for (int32_t i = sh.item_lo[gg] + tid; i < sh.item_hi[gg]; i += nt) {
+        const int64_t k = a.recv_src[i] - own_base - cc * C;
+        if (k >= 0 && k < C) sh.own_row[gg * C + k] = i;
+      }
+    }
+    block_sync();
+    for (int gg = 0; gg < G; ++gg) {
+      const int64_t cc = first + int64_t(gg) * nblocks;
+      if (cc >= nch) break;
       const int64_t t0 = cc * C, t1 = (cc + 1) * C < T ? (cc + 1) * C : T;
+      const int32_t* own = sh.own_row + gg * C;
       auto sum_rows = [&](auto v_tag) {
         using V = typename decltype(v_tag)::type;
         const uint32_t n = uint32_t(payload / sizeof(V));
@@ -773,7 +838,7 @@ RC_DEVICE void combine_recv(const Env& env, const CombineArgs& a, uint64_t gen, 
           const uint32_t m = uint32_t(a.send_mask[t]);
 #pragma unroll
           for (int rr = 0; rr < kMaxGpuWorld; ++rr)
-            if (m >> rr & 1u) src.p[rr] = L.cb_row(env.data[me], gen, rr, t);
+            if (m >> rr & 1u) src.p[rr] = rr == me ? y + own[row] * payload : L.cb_row(env.data[me], gen, rr, t);
           v = i - row * n;
           dst = reinterpret_cast<V*>(out + t * payload) + v;
           return m;
@@ -788,22 +853,23 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs 
   __shared__ CombineShared sh;
   const uint64_t gen = op_generation(env, kOpCombine);
   const int W = env.world, tid = threadIdx.x;
+  if (tid < W) {
+    sh.count[tid] = a.counts[tid];
+    sh.ntok[tid] = a.src_tokens[tid];
+    // Own rows are summed straight from y: no item carries them.
+    sh.nchunks[tid] = tid == env.rank ? 0 : int32_t(ep_num_chunks(a.src_tokens[tid]));
+  }
+  block_sync();
+  if (tid == 0) {
+    sh.offset[0] = 0;
+    for (int s = 0; s < W; ++s) sh.offset[s + 1] = sh.offset[s] + sh.count[s];
+  }
+  block_sync();
   if (int(blockIdx.x) < send_blocks) {
-    if (tid < W) {
-      sh.count[tid] = a.counts[tid];
-      sh.ntok[tid] = a.src_tokens[tid];
-      sh.nchunks[tid] = int32_t(ep_num_chunks(a.src_tokens[tid]));
-    }
-    block_sync();
-    if (tid == 0) {
-      sh.offset[0] = 0;
-      for (int s = 0; s < W; ++s) sh.offset[s + 1] = sh.offset[s] + sh.count[s];
-    }
-    block_sync();
     combine_send(env, a, sh, gen, blockIdx.x, send_blocks, vec);
   } else {
     with_dtype(a.dtype, [&](auto d) {
-      combine_recv<decltype(d)::value>(env, a, gen, blockIdx.x - send_blocks, gridDim.x - send_blocks, vec);
+      combine_recv<decltype(d)::value>(env, a, sh, gen, blockIdx.x - send_blocks, gridDim.x - send_blocks, vec);
     });
   }
   finish_op(env, kOpCombine, gen);
@@ -829,7 +895,7 @@ __global__ void __launch_bounds__(kThreads) probe_kernel(Env env, int32_t* resul
     for (int i = tid; i < kWords; i += blockDim.x) buf[i] = probe_word(me, p, i, gen);
   }
   block_sync();
-  block_signal_ranks(env, gen, true, [&](int r) { return L.probe_flag(env.sig[r], me); });
+  block_signal_ranks(env, gen, peer_ranks(env), [&](int r) { return L.probe_flag(env.sig[r], me); });
   bool arrived = true;
   if (tid < W && tid != me) arrived = wait_flag(env, L.probe_flag(env.sig[me], tid), gen, kOpProbe, tid);
   if (tid < W && !arrived) bad[tid] = -1;
