@@ -531,19 +531,15 @@ RC_DEVICE void dispatch_send(const Env& env, const DispatchArgs& a, DispatchShar
     head->nrows = uint32_t(sh.start[nch][tid]);
     store_release_sys(&head->gen, gen);
   }
+  char* out_x = static_cast<char*>(a.out_x);
   // This rank's own rows skip the heap: they go straight to the output, after
   // the rows of every lower rank, whose counts come from their headers.
-  // Headers are published before any wait, so this wait cannot deadlock.
-  const uint32_t lower = (1u << me) - 1;
-  if (!block_wait_ranks(env, gen, kOpDispatch, lower, [&](int s) { return &L.ep_head(env.sig[me], gen, s)->gen; }))
-    return;
-  if (tid < W) sh.nrows[tid] = tid < me ? int32_t(L.ep_head(env.sig[me], gen, tid)->nrows) : 0;
-  block_sync();
   int64_t self_base = 0;
-  for (int s = 0; s < me; ++s) self_base += sh.nrows[s];
-  char* out_x = static_cast<char*>(a.out_x);
+  const uint32_t lower = (1u << me) - 1;
 
-  for (int64_t c = b; c < nch; c += nblocks) {
+  // Rows of chunk c for the destinations in `dests`: each token's row is
+  // loaded once and stored to every destination it has among them.
+  auto send_chunk = [&](int64_t c, uint32_t dests) {
     const int64_t t_end = (c + 1) * C < T ? (c + 1) * C : T;
     if (tid < W) sh.run[tid] = sh.start[c][tid];
     block_sync();
@@ -553,7 +549,7 @@ RC_DEVICE void dispatch_send(const Env& env, const DispatchArgs& a, DispatchShar
       if (t < t_end) a.out_send_mask[t] = int32_t(m);
       int32_t pos[kMaxGpuWorld];
       batch_positions(m, W, pos, sh.warp_tot, sh.run);
-      sh.batch_mask[tid] = m;
+      sh.batch_mask[tid] = m & dests;
 #pragma unroll
       for (int d = 0; d < kMaxGpuWorld; ++d)
         if (d < W) sh.batch_pos[tid][d] = pos[d];
@@ -572,7 +568,6 @@ RC_DEVICE void dispatch_send(const Env& env, const DispatchArgs& a, DispatchShar
         char* row = row_in(r, d);
         return RowMeta{L.row_ids(row), L.row_weights(row), L.row_token(row), int32_t(t0 + r)};
       };
-      // Each token's row is loaded once and stored to every destination.
       with_vector(vec, [&](auto tag) {
         using V = typename decltype(tag)::type;
         block_copy_rows<V>(
@@ -608,12 +603,29 @@ RC_DEVICE void dispatch_send(const Env& env, const DispatchArgs& a, DispatchShar
       }
       block_sync();
     }
-    // Publish chunk c to every peer, empty or not.
-    if (tid < W && tid != me) {
+  };
+
+  bool have_base = lower == 0;
+  for (int64_t c = b; c < nch; c += nblocks) {
+    send_chunk(c, have_base ? all_ranks(env) : peer_ranks(env));
+    if (tid < W && tid != me) {  // chunk c to every peer, empty or not
       ChunkSlot* slot = L.ep_chunk(env.sig[tid], gen, me, c);
       slot->row_start = uint32_t(sh.start[c][tid]);
       slot->nrows = uint32_t(sh.start[c + 1][tid] - sh.start[c][tid]);
       store_release_sys(&slot->gen, gen);
+    }
+    if (!have_base) {
+      // A block's first chunk reaches this rank's output only after the
+      // peers have it and the lower ranks' headers have arrived, so no peer
+      // waits behind this wait; headers are published before any wait, so it
+      // cannot deadlock.
+      if (!block_wait_ranks(env, gen, kOpDispatch, lower, [&](int s) { return &L.ep_head(env.sig[me], gen, s)->gen; }))
+        return;
+      if (tid < me) sh.nrows[tid] = int32_t(L.ep_head(env.sig[me], gen, tid)->nrows);
+      block_sync();
+      for (int s = 0; s < me; ++s) self_base += sh.nrows[s];
+      have_base = true;
+      send_chunk(c, 1u << me);
     }
   }
 }
