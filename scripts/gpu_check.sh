@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Build the GPU extension in place and run the GPU test suite (and optionally
-# the benchmarks) on a machine with 2+ GPUs. Used on the device machines:
+# Build the GPU extension in place and run the GPU test suite on a machine
+# with 2+ GPUs (or one, with RDNA4_COMM_ALLOW_SHARED_GPU=1: ranks share it).
+# Used on the device machines:
 #   bash scripts/gpu_check.sh [pytest args...]
 # Env: RDNA4_COMM_TEST_EXAMPLES (hypothesis example scale, default 0.3 here),
 #      OUT (directory for logs; default ./gpu_check_out).
