@@ -130,14 +130,15 @@ RC_HD int clamp_blocks(int64_t want, int64_t most) {
   return int(want < 1 ? 1 : (want > most ? (most < 1 ? 1 : most) : want));
 }
 RC_HD EpGrid dispatch_grid(int64_t ntok, int world, int sm_count) {
-  // Senders own this rank's chunks; receivers take (source, chunk) items.
+  // Senders own this rank's chunks; receivers take (peer, chunk) items (own
+  // rows skip the heap on the GPU).
   const int64_t nch = ep_num_chunks(ntok);
-  return {clamp_blocks(nch, sm_count / 2), clamp_blocks(world * nch, sm_count / 4)};
+  return {clamp_blocks(nch, sm_count / 2), clamp_blocks((world - 1) * nch, sm_count / 4)};
 }
 RC_HD EpGrid combine_grid(int64_t ntok, int world, int sm_count) {
-  // Senders return rows for every source's chunks; receivers sum this rank's.
+  // Senders return rows for every peer's chunks; receivers sum this rank's.
   const int64_t nch = ep_num_chunks(ntok);
-  return {clamp_blocks(world * nch, sm_count / 2), clamp_blocks(nch, sm_count / 4)};
+  return {clamp_blocks((world - 1) * nch, sm_count / 2), clamp_blocks(nch, sm_count / 4)};
 }
 RC_HD int allreduce_blocks(int64_t share_bytes, int sm_count) {
   const int64_t most = sm_count / 2 < kMaxAllReduceBlocks ? sm_count / 2 : kMaxAllReduceBlocks;

@@ -536,6 +536,12 @@ RC_DEVICE void dispatch_send(const Env& env, const DispatchArgs& a, DispatchShar
   // the rows of every lower rank, whose counts come from their headers.
   int64_t self_base = 0;
   const uint32_t lower = (1u << me) - 1;
+  auto head_of = [&](int s) { return L.ep_head(env.sig[me], gen, s); };
+  auto add_lower_rows = [&] {  // each count is read by the thread that acquired its header
+    if (tid < me) sh.nrows[tid] = int32_t(head_of(tid)->nrows);
+    block_sync();
+    for (int s = 0; s < me; ++s) self_base += sh.nrows[s];
+  };
 
   // Rows of chunk c for the destinations in `dests`: each token's row is
   // loaded once and stored to every destination it has among them.
@@ -605,7 +611,10 @@ RC_DEVICE void dispatch_send(const Env& env, const DispatchArgs& a, DispatchShar
     }
   };
 
-  bool have_base = lower == 0;
+  // Headers that have already arrived (a poll, not a wait) let the block
+  // send its first chunk to every destination in one pass.
+  bool have_base = block_all(tid >= me || load_acquire_sys(&head_of(tid)->gen) >= gen);
+  if (have_base) add_lower_rows();
   for (int64_t c = b; c < nch; c += nblocks) {
     send_chunk(c, have_base ? all_ranks(env) : peer_ranks(env));
     if (tid < W && tid != me) {  // chunk c to every peer, empty or not
@@ -615,15 +624,13 @@ RC_DEVICE void dispatch_send(const Env& env, const DispatchArgs& a, DispatchShar
       store_release_sys(&slot->gen, gen);
     }
     if (!have_base) {
-      // A block's first chunk reaches this rank's output only after the
-      // peers have it and the lower ranks' headers have arrived, so no peer
-      // waits behind this wait; headers are published before any wait, so it
-      // cannot deadlock.
-      if (!block_wait_ranks(env, gen, kOpDispatch, lower, [&](int s) { return &L.ep_head(env.sig[me], gen, s)->gen; }))
-        return;
-      if (tid < me) sh.nrows[tid] = int32_t(L.ep_head(env.sig[me], gen, tid)->nrows);
-      block_sync();
-      for (int s = 0; s < me; ++s) self_base += sh.nrows[s];
+      // Otherwise the block's first chunk goes to the peers before the block
+      // waits for the headers, and to this rank's output after: no peer waits
+      // for that chunk behind this wait. Headers are published before any
+      // wait, so with every block resident (the launch policy) it cannot
+      // deadlock.
+      if (!block_wait_ranks(env, gen, kOpDispatch, lower, [&](int s) { return &head_of(s)->gen; })) return;
+      add_lower_rows();
       have_base = true;
       send_chunk(c, 1u << me);
     }
@@ -818,6 +825,9 @@ RC_DEVICE void combine_recv(const Env& env, const CombineArgs& a, CombineShared&
   const int G = group_size(C);
   const char* y = static_cast<const char*>(a.y);
   char* out = static_cast<char*>(a.out);
+  // Row 0 until mapped: a handle whose send_mask and recv_src disagree then
+  // reads a wrong row of y, never memory outside it.
+  for (int i = tid; i < kMaxGpuChunkTokens; i += nt) sh.own_row[i] = 0;
   for (int64_t first = j; first < nch; first += int64_t(nblocks) * G) {
     const int g = tid / W, r = tid - g * W;
     const int64_t c = first + int64_t(g) * nblocks;
