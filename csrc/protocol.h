@@ -119,9 +119,15 @@ RC_HD uint64_t timeout_gen(uint64_t word) { return word & 0xffffffffffffull; }
 // (receivers spin on peers whose senders may wait behind them), and the
 // kernels take one block per multiprocessor, so grids stay within 3/4 of the
 // multiprocessors: a stray kernel on a few of them cannot leave a block
-// waiting for a slot. dispatch/combine split blocks into senders (at most
-// 1/2) and receivers (at most 1/4), each sized by its work items (token
-// chunks); tiny batches get a few blocks, large ones the full split.
+// waiting for a slot. dispatch/combine split blocks into senders and
+// receivers, each sized by its work items (token chunks): tiny batches get a
+// few blocks, large ones the full split. A block moves about as many bytes
+// as it keeps in flight, so the role with more memory streams per row gets
+// the larger half (1/2 against 1/4). dispatch senders: read x, write the own
+// output, write the link (3); receivers: read the heap, write the output (2).
+// combine senders: read y, write the link (2); receivers: read y and the
+// inbox, write the output (3). This split comes from that count, not yet
+// from a 2-GPU measurement (docs/performance.md).
 struct EpGrid {
   int send_blocks;
   int recv_blocks;
@@ -138,7 +144,7 @@ RC_HD EpGrid dispatch_grid(int64_t ntok, int world, int sm_count) {
 RC_HD EpGrid combine_grid(int64_t ntok, int world, int sm_count) {
   // Senders return rows for every peer's chunks; receivers sum this rank's.
   const int64_t nch = ep_num_chunks(ntok);
-  return {clamp_blocks((world - 1) * nch, sm_count / 2), clamp_blocks(nch, sm_count / 4)};
+  return {clamp_blocks((world - 1) * nch, sm_count / 4), clamp_blocks(nch, sm_count / 2)};
 }
 RC_HD int allreduce_blocks(int64_t share_bytes, int sm_count) {
   const int64_t most = sm_count / 2 < kMaxAllReduceBlocks ? sm_count / 2 : kMaxAllReduceBlocks;

@@ -30,14 +30,17 @@ def test_ep_grids_grow_with_the_batch_and_leave_slack(world):
     for ntok in (0, 1, 8, 32, 128, 1024, 16384):
         ds, dr = _C.dispatch_grid(ntok, world, H200_SMS)
         cs, cr = _C.combine_grid(ntok, world, H200_SMS)
-        for send, recv in ((ds, dr), (cs, cr)):
-            assert 1 <= send <= H200_SMS // 2 and 1 <= recv <= H200_SMS // 4
-            assert send + recv <= 3 * H200_SMS // 4
+        # The role with more memory streams per row gets the larger half:
+        # dispatch's senders, combine's receivers.
+        for larger, smaller in ((ds, dr), (cr, cs)):
+            assert 1 <= larger <= H200_SMS // 2 and 1 <= smaller <= H200_SMS // 4
+            assert larger + smaller <= 3 * H200_SMS // 4
         cur = (ds, dr, cs, cr)
         assert all(a >= b for a, b in zip(cur, last)), (ntok, cur, last)
         last = cur
     assert _C.dispatch_grid(8, world, H200_SMS) == (8, min(8 * (world - 1), H200_SMS // 4))
     assert _C.dispatch_grid(16384, world, H200_SMS) == (H200_SMS // 2, H200_SMS // 4)
+    assert _C.combine_grid(16384, world, H200_SMS) == (H200_SMS // 4, H200_SMS // 2)
 
 
 def test_allreduce_blocks():
