@@ -90,13 +90,21 @@ std::string Comm::timeout_message(int op, int peer, uint64_t gen) const {
 at::Tensor Comm::all_reduce(const at::Tensor& x) {
   check();
   static const char* op = "all_reduce";
-  check_device(op, "x", x, device());
+  const auto dev = device();
+  check_device(op, "x", x, dev);
   auto st = x.scalar_type();
   TORCH_CHECK_TYPE(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, op,
                    ": x must be torch.float32, torch.bfloat16 or torch.float16, got ", dtype_name(st));
   check_contiguous(op, "x", x);
   at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
-  if (x.numel() > 0) all_reduce_impl(x, out);
+  if (cfg_.world == 1) return out.copy_(x);
+  const int64_t n = x.numel(), elt = x.element_size();
+  const bool one_shot = allreduce_use_one_shot(n * elt, cfg_.world, /*gpu=*/dev.is_cuda());
+  const int64_t chunk = allreduce_chunk_elems(layout_.ar_slot_bytes, elt, cfg_.world, one_shot);
+  const char* in = static_cast<const char*>(x.data_ptr());
+  char* o = static_cast<char*>(out.data_ptr());
+  for (int64_t off = 0; off < n; off += chunk)
+    all_reduce_chunk(st, in + off * elt, o + off * elt, std::min(chunk, n - off), one_shot);
   return out;
 }
 

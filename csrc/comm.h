@@ -73,8 +73,9 @@ class Comm {
                      const at::Tensor& src_tokens, const at::Tensor& send_mask);
 
  protected:
-  // Called with validated, contiguous arguments.
-  virtual void all_reduce_impl(const at::Tensor& x, at::Tensor& out) = 0;
+  // Called with validated, contiguous arguments. all_reduce runs chunk by
+  // chunk: n elements of dtype st (at most allreduce_chunk_elems), W > 1.
+  virtual void all_reduce_chunk(at::ScalarType st, const char* in, char* out, int64_t n, bool one_shot) = 0;
   virtual void dispatch_impl(const at::Tensor& x, const at::Tensor& topk_idx,
                              const c10::optional<at::Tensor>& topk_weights, Dispatched& out) = 0;
   virtual void combine_impl(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,

@@ -117,24 +117,42 @@ class CpuComm final : public Comm {
   }
 
  protected:
-  void all_reduce_impl(const at::Tensor& x, at::Tensor& out) override {
-    const int64_t n = x.numel();
-    const int64_t elt = x.element_size();
-    const char* in = static_cast<const char*>(x.data_ptr());
-    char* o = static_cast<char*>(out.data_ptr());
-    if (cfg_.world == 1) {
-      std::memcpy(o, in, size_t(n * elt));
-      return;
+  // One-shot: every rank's whole chunk is one share, owned by everyone.
+  // Two-shot: rank o owns elements [o*q, min((o+1)*q, m)) (allreduce_share),
+  // reduces them, and hands the result to every peer.
+  void all_reduce_chunk(at::ScalarType st, const char* in, char* out, int64_t m, bool one_shot) override {
+    const int W = cfg_.world, me = cfg_.rank;
+    const int64_t elt = int64_t(c10::elementSize(st));
+    const uint64_t gen = next_generation(kOpAllReduce);
+    const int64_t q = one_shot ? m : allreduce_share(m, W, elt);
+    auto begin = [&](int o) { return one_shot ? int64_t(0) : o * q; };
+    auto share = [&](int o) { return one_shot ? m : std::max<int64_t>(0, std::min(q, m - o * q)); };
+    for (int o = 0; o < W; ++o) {
+      if (o == me) continue;
+      std::memcpy(layout_.ar_slot(data(o), gen, me), in + begin(o) * elt, size_t(share(o) * elt));
+      store_release(layout_.ar_flag(signals(o), gen, 0, me, 0), gen);
     }
-    const bool one_shot = allreduce_use_one_shot(n * elt, cfg_.world, /*gpu=*/false);
-    const int64_t chunk = (one_shot ? 1 : cfg_.world) * (layout_.ar_slot_bytes / elt);
-    for (int64_t off = 0; off < n; off += chunk) {
-      const int64_t m = std::min(chunk, n - off);
-      const uint64_t gen = next_generation(kOpAllReduce);
-      if (one_shot)
-        one_shot_step(x.scalar_type(), in + off * elt, o + off * elt, m, elt, gen);
-      else
-        two_shot_step(x.scalar_type(), in + off * elt, o + off * elt, m, elt, gen);
+    std::vector<const char*> srcs(W);
+    for (int r = 0; r < W; ++r) {
+      if (r == me) {
+        srcs[r] = in + begin(me) * elt;
+        continue;
+      }
+      wait_at_least(layout_.ar_flag(signals(me), gen, 0, r, 0), gen, kOpAllReduce, r);
+      srcs[r] = layout_.ar_slot(data(me), gen, r);
+    }
+    char* mine = out + begin(me) * elt;
+    sum_in_order(st, mine, srcs, share(me));
+    if (one_shot) return;
+    for (int p = 0; p < W; ++p) {
+      if (p == me) continue;
+      std::memcpy(layout_.ar_gather_slot(data(p), gen, me), mine, size_t(share(me) * elt));
+      store_release(layout_.ar_flag(signals(p), gen, 1, me, 0), gen);
+    }
+    for (int o = 0; o < W; ++o) {
+      if (o == me) continue;
+      wait_at_least(layout_.ar_flag(signals(me), gen, 1, o, 0), gen, kOpAllReduce, o);
+      std::memcpy(out + begin(o) * elt, layout_.ar_gather_slot(data(me), gen, o), size_t(share(o) * elt));
     }
   }
 
@@ -274,8 +292,7 @@ class CpuComm final : public Comm {
     if (load_acquire(flag) >= gen) return;
     const auto start = Clock::now();
     const auto limit = std::chrono::milliseconds(cfg_.timeout_ms);
-    for (uint32_t spin = 1;; ++spin) {
-      if (load_acquire(flag) >= gen) return;
+    while (load_acquire(flag) < gen) {
       const auto waited = Clock::now() - start;
       if (waited > limit) {
         failure_ = timeout_message(op, peer, gen);
@@ -285,60 +302,6 @@ class CpuComm final : public Comm {
         sched_yield();
       else
         std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
-  }
-
-  void one_shot_step(at::ScalarType st, const char* in, char* out, int64_t m, int64_t elt,
-                     uint64_t gen) {
-    const int W = cfg_.world, me = cfg_.rank;
-    for (int p = 0; p < W; ++p) {
-      if (p == me) continue;
-      std::memcpy(layout_.ar_slot(data(p), gen, me), in, size_t(m * elt));
-      store_release(layout_.ar_flag(signals(p), gen, 0, me, 0), gen);
-    }
-    std::vector<const char*> srcs(W);
-    for (int r = 0; r < W; ++r) {
-      if (r == me) {
-        srcs[r] = in;
-        continue;
-      }
-      wait_at_least(layout_.ar_flag(signals(me), gen, 0, r, 0), gen, kOpAllReduce, r);
-      srcs[r] = layout_.ar_slot(data(me), gen, r);
-    }
-    sum_in_order(st, out, srcs, m);
-  }
-
-  // Rank o owns elements [o*q, min((o+1)*q, m)) (allreduce_share).
-  void two_shot_step(at::ScalarType st, const char* in, char* out, int64_t m, int64_t elt,
-                     uint64_t gen) {
-    const int W = cfg_.world, me = cfg_.rank;
-    const int64_t q = allreduce_share(m, W, elt);
-    auto share = [&](int o) { return std::max<int64_t>(0, std::min(q, m - o * q)); };
-    for (int o = 0; o < W; ++o) {
-      if (o == me) continue;
-      std::memcpy(layout_.ar_slot(data(o), gen, me), in + o * q * elt, size_t(share(o) * elt));
-      store_release(layout_.ar_flag(signals(o), gen, 0, me, 0), gen);
-    }
-    std::vector<const char*> srcs(W);
-    for (int r = 0; r < W; ++r) {
-      if (r == me) {
-        srcs[r] = in + me * q * elt;
-        continue;
-      }
-      wait_at_least(layout_.ar_flag(signals(me), gen, 0, r, 0), gen, kOpAllReduce, r);
-      srcs[r] = layout_.ar_slot(data(me), gen, r);
-    }
-    char* mine = out + me * q * elt;
-    sum_in_order(st, mine, srcs, share(me));
-    for (int p = 0; p < W; ++p) {
-      if (p == me) continue;
-      std::memcpy(layout_.ar_gather_slot(data(p), gen, me), mine, size_t(share(me) * elt));
-      store_release(layout_.ar_flag(signals(p), gen, 1, me, 0), gen);
-    }
-    for (int o = 0; o < W; ++o) {
-      if (o == me) continue;
-      wait_at_least(layout_.ar_flag(signals(me), gen, 1, o, 0), gen, kOpAllReduce, o);
-      std::memcpy(out + o * q * elt, layout_.ar_gather_slot(data(me), gen, o), size_t(share(o) * elt));
     }
   }
 

@@ -95,6 +95,13 @@ RC_HD bool allreduce_use_one_shot(int64_t nbytes, int world, bool gpu) {
   return nbytes <= (gpu ? kGpuOneShotMaxBytes : kCpuOneShotMaxBytes);
 }
 
+// Elements per all_reduce chunk, larger tensors being processed chunk by
+// chunk: one-shot sends a peer the whole chunk, so it fills one slot;
+// two-shot sends each owner its share, so every share fills at most one.
+RC_HD int64_t allreduce_chunk_elems(int64_t slot_bytes, int64_t elt, int world, bool one_shot) {
+  return (one_shot ? 1 : world) * (slot_bytes / elt);
+}
+
 // Two-shot all_reduce of an n-element chunk: rank o owns elements
 // [o*q, min((o+1)*q, n)), q rounded up to whole 16-byte vectors so every
 // share starts aligned. q * elt never exceeds a slot when n <= W * slot / elt.

@@ -156,21 +156,10 @@ class GpuComm final : public Comm {
   }
 
  protected:
-  void all_reduce_impl(const at::Tensor& x, at::Tensor& out) override {
+  void all_reduce_chunk(at::ScalarType st, const char* in, char* out, int64_t n, bool one_shot) override {
     c10::cuda::CUDAGuard guard(cfg_.device_index);
-    const Stream stream = c10::cuda::getCurrentCUDAStream(cfg_.device_index).stream();
-    const int64_t n = x.numel(), elt = x.element_size();
-    const bool one_shot = allreduce_use_one_shot(n * elt, cfg_.world, /*gpu=*/true);
-    const int64_t chunk = (one_shot ? 1 : cfg_.world) * (layout_.ar_slot_bytes / elt);
-    const char* in = static_cast<const char*>(x.data_ptr());
-    char* o = static_cast<char*>(out.data_ptr());
-    for (int64_t off = 0; off < n; off += chunk) {
-      AllReduceArgs a{in + off * elt, o + off * elt, std::min(chunk, n - off), dtype_of(x.scalar_type()), one_shot};
-      if (cfg_.world == 1)
-        RC_GPU_CHECK(memcpy_device_async(a.out, a.in, size_t(a.n * elt), stream));
-      else
-        launch_all_reduce(env_, a, stream);
-    }
+    launch_all_reduce(env_, AllReduceArgs{in, out, n, dtype_of(st), one_shot},
+                      c10::cuda::getCurrentCUDAStream(cfg_.device_index).stream());
     RC_GPU_CHECK(get_last_error());
   }
 

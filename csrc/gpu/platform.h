@@ -63,9 +63,6 @@ inline Error host_device_pointer(void** d, void* h) { return hipHostGetDevicePoi
 inline Error free_host(void* p) { return hipHostFree(p); }
 inline Error memset_device(void* p, int v, size_t n) { return hipMemset(p, v, n); }
 inline Error memcpy_to_host(void* dst, const void* src, size_t n) { return hipMemcpy(dst, src, n, hipMemcpyDeviceToHost); }
-inline Error memcpy_device_async(void* dst, const void* src, size_t n, Stream s) {
-  return hipMemcpyAsync(dst, src, n, hipMemcpyDeviceToDevice, s);
-}
 inline Error ipc_get_handle(IpcHandle* h, void* p) { return hipIpcGetMemHandle(h, p); }
 inline Error ipc_open_handle(void** p, const IpcHandle& h) {
   return hipIpcOpenMemHandle(p, h, hipIpcMemLazyEnablePeerAccess);
@@ -106,9 +103,6 @@ inline Error host_device_pointer(void** d, void* h) { return cudaHostGetDevicePo
 inline Error free_host(void* p) { return cudaFreeHost(p); }
 inline Error memset_device(void* p, int v, size_t n) { return cudaMemset(p, v, n); }
 inline Error memcpy_to_host(void* dst, const void* src, size_t n) { return cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost); }
-inline Error memcpy_device_async(void* dst, const void* src, size_t n, Stream s) {
-  return cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, s);
-}
 inline Error ipc_get_handle(IpcHandle* h, void* p) { return cudaIpcGetMemHandle(h, p); }
 inline Error ipc_open_handle(void** p, const IpcHandle& h) {
   return cudaIpcOpenMemHandle(p, h, cudaIpcMemLazyEnablePeerAccess);
