@@ -43,14 +43,21 @@ def expert(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Te
     return F.silu(x.float() @ w_in.t()) @ w_out.t()
 
 
-def dense_moe(x, router, w_in, w_out, topk: int) -> torch.Tensor:
-    """Single-process MoE over all experts: [T, H] -> [T, H] in x's dtype."""
-    idx, weights = route(x, router, topk)
+def weighted_experts(x, idx, weights, w_in, w_out) -> torch.Tensor:
+    """[R, H] rows -> [R, H] in x's dtype: each row's routing-weighted sum of
+    the outputs of experts ``0..len(w_in)-1`` (ids in ``idx`` [R, K]; other ids,
+    -1 included, contribute nothing), one expert at a time, in float32."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in range(w_in.shape[0]):
         w_e = (weights * (idx == e)).sum(-1, keepdim=True)
         out = out + w_e * expert(x, w_in[e], w_out[e])
     return out.to(x.dtype)
+
+
+def dense_moe(x, router, w_in, w_out, topk: int) -> torch.Tensor:
+    """Single-process MoE over all experts: [T, H] -> [T, H] in x's dtype."""
+    idx, weights = route(x, router, topk)
+    return weighted_experts(x, idx, weights, w_in, w_out)
 
 
 class ExpertParallelMoE(torch.nn.Module):
@@ -73,18 +80,10 @@ class ExpertParallelMoE(torch.nn.Module):
         self.register_buffer("w_in", w_in[first : first + epr].contiguous().to(comm.device))
         self.register_buffer("w_out", w_out[first : first + epr].contiguous().to(comm.device))
 
-    def local_experts(self, x, local_idx, weights) -> torch.Tensor:
-        """[W*cap, H] received rows -> [W*cap, H] rows, each the routing-weighted
-        sum of its local experts' outputs (zero for padding rows)."""
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in range(self.w_in.shape[0]):
-            w_e = (weights * (local_idx == e)).sum(-1, keepdim=True)
-            out = out + w_e * expert(x, self.w_in[e], self.w_out[e])
-        return out.to(x.dtype)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] of the communicator dtype, T <= max_tokens_per_rank -> [T, H]."""
         idx, weights = route(x, self.router, self.topk)
         d = self.comm.dispatch(x, idx, weights)
-        y = self.local_experts(d.x, d.topk_idx, d.topk_weights)
+        # Received rows carry local expert ids; padding rows (all -1) give zeros.
+        y = weighted_experts(d.x, d.topk_idx, d.topk_weights, self.w_in, self.w_out)
         return self.comm.combine(y, d.handle)
