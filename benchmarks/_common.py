@@ -104,6 +104,13 @@ def _worker(ctx, bench_worker, configs, rounds, samples) -> None:
     bench_worker(ctx, configs, rounds, samples)
 
 
+def main(name: str, description: str, full, quick, bench_worker, argv=None) -> int:
+    """A benchmark's command line: the configurations ``full`` (or ``quick``)
+    that pass --tokens/--hidden, run by ``bench_worker``; see :func:`run`."""
+    args = parse_args(description, argv)
+    return run(name, args, select(quick if args.quick else full, args), bench_worker)
+
+
 def run(name: str, args: argparse.Namespace, configs: list[tuple[int, int]], bench_worker) -> int:
     """Run ``bench_worker(ctx, configs, rounds, samples)`` in a world chosen by
     ``args`` and record what it emits: rank 0 emits one record per

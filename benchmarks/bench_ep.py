@@ -47,11 +47,5 @@ def worker(ctx, configs, rounds, samples) -> None:
         ctx.release()
 
 
-def main(argv=None) -> int:
-    args = _common.parse_args(__doc__, argv)
-    configs = _common.select(QUICK if args.quick else FULL, args)
-    return _common.run("bench_ep", args, configs, worker)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.main("bench_ep", __doc__, FULL, QUICK, worker))
