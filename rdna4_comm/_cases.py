@@ -53,16 +53,21 @@ def pattern(rank: int, rows: int, cols: int, dtype: torch.dtype, device, *, bits
     return (v.to(torch.float32) * 2.0 ** -(bits // 2)).to(dtype)
 
 
-def assert_same(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Raise AssertionError unless dtype, shape and every byte agree."""
+def assert_same(actual: torch.Tensor, expected: torch.Tensor, what: str = "tensors") -> None:
+    """Raise AssertionError unless dtype, shape and every byte agree (the tests
+    use it too)."""
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     a = actual.detach().cpu().contiguous()
     e = expected.detach().cpu().contiguous()
-    if not torch.equal(a.view(torch.uint8), e.view(torch.uint8)):
+    if not torch.equal(a.reshape(-1).view(torch.uint8), e.reshape(-1).view(torch.uint8)):
         bad = (a != e).nonzero()
-        where = tuple(bad[0].tolist()) if len(bad) else "(NaN or signed zero)"
-        raise AssertionError(f"{what}: {len(bad)} of {a.numel()} elements differ, first at {where}")
+        if len(bad):
+            at = tuple(bad[0].tolist())
+            where = f"first at {at}: {a[at].item()} != {e[at].item()}"
+        else:
+            where = "all equal by value (NaN payloads or signed zeros differ)"
+        raise AssertionError(f"{what}: {len(bad)} of {a.numel()} elements differ bitwise; {where}")
 
 
 def record(op: str, tokens: int, hidden: int, dtype: torch.dtype, ops: list[Op], stats: dict[str, Stats]) -> dict:
