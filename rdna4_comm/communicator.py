@@ -115,8 +115,9 @@ class Communicator:
             torch.float16 or torch.float32.
         transport: ``"auto"`` (the GPU transport when torch has a GPU, the
             extension was built with GPU support and every rank has a distinct
-            GPU; else ``"cpu"``), ``"gpu"`` or ``"cpu"`` (POSIX shared memory
-            between the processes of one host).
+            GPU, or ``RDNA4_COMM_ALLOW_SHARED_GPU=1``; else ``"cpu"``),
+            ``"gpu"`` or ``"cpu"`` (POSIX shared memory between the processes
+            of one host).
         allreduce_slot_bytes: all_reduce buffer per (parity, source rank);
             default 1 MiB on CPU, 16 MiB on GPU. Larger tensors are processed
             in chunks of this size (one-shot) or W times it (two-shot).
