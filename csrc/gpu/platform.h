@@ -20,15 +20,18 @@ namespace rdna4_comm {
 namespace gpu {
 
 // ------------------------------------------------------------ launches
+// RC_RT(Name): the runtime's spelling of Name, hipName or cudaName, for the
+// many entry points that differ only by that prefix.
 #ifdef RC_HIP
-using Stream = hipStream_t;
+#define RC_RT(name) hip##name
 #define RC_LAUNCH(kernel, grid, block, smem, stream, ...) \
   hipLaunchKernelGGL(kernel, dim3(grid), dim3(block), smem, stream, __VA_ARGS__)
 #else
-using Stream = cudaStream_t;
+#define RC_RT(name) cuda##name
 #define RC_LAUNCH(kernel, grid, block, smem, stream, ...) \
   kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
 #endif
+using Stream = RC_RT(Stream_t);
 
 // ------------------------------------------------------------ runtime API
 // Host glue only. kernels.cu defines RC_KERNELS_ONLY: it must also compile
@@ -37,38 +40,37 @@ using Stream = cudaStream_t;
 #if defined(RC_HIP) && HIP_VERSION_MAJOR < 6
 #error "rdna4_comm's GPU transport needs ROCm 6 or newer (gfx1201 needs ROCm 6.3+)"
 #endif
+using Error = RC_RT(Error_t);
+using IpcHandle = RC_RT(IpcMemHandle_t);
+constexpr Error kSuccess = RC_RT(Success);
+constexpr Error kPeerAccessAlreadyEnabled = RC_RT(ErrorPeerAccessAlreadyEnabled);
+inline const char* error_string(Error e) { return RC_RT(GetErrorString)(e); }
+inline Error get_last_error() { return RC_RT(GetLastError)(); }
+inline Error device_by_pci_bus_id(int* d, const char* id) { return RC_RT(DeviceGetByPCIBusId)(d, id); }
+inline Error pci_bus_id(char* buf, int len, int d) { return RC_RT(DeviceGetPCIBusId)(buf, len, d); }
+inline Error can_access_peer(int* ok, int d, int peer) { return RC_RT(DeviceCanAccessPeer)(ok, d, peer); }
+inline Error enable_peer_access(int peer) { return RC_RT(DeviceEnablePeerAccess)(peer, 0); }
+inline Error malloc_data(void** p, size_t n) { return RC_RT(Malloc)(p, n); }
+inline Error free_device(void* p) { return RC_RT(Free)(p); }
+inline Error host_device_pointer(void** d, void* h) { return RC_RT(HostGetDevicePointer)(d, h, 0); }
+inline Error memset_device(void* p, int v, size_t n) { return RC_RT(Memset)(p, v, n); }
+inline Error memcpy_to_host(void* dst, const void* src, size_t n) {
+  return RC_RT(Memcpy)(dst, src, n, RC_RT(MemcpyDeviceToHost));
+}
+inline Error ipc_get_handle(IpcHandle* h, void* p) { return RC_RT(IpcGetMemHandle)(h, p); }
+inline Error ipc_open_handle(void** p, const IpcHandle& h) {
+  return RC_RT(IpcOpenMemHandle)(p, h, RC_RT(IpcMemLazyEnablePeerAccess));
+}
+inline Error ipc_close_handle(void* p) { return RC_RT(IpcCloseMemHandle)(p); }
+inline Error device_synchronize() { return RC_RT(DeviceSynchronize)(); }
 #ifdef RC_HIP
-using Error = hipError_t;
-using IpcHandle = hipIpcMemHandle_t;
-constexpr Error kSuccess = hipSuccess;
-constexpr Error kPeerAccessAlreadyEnabled = hipErrorPeerAccessAlreadyEnabled;
-inline const char* error_string(Error e) { return hipGetErrorString(e); }
-inline Error get_last_error() { return hipGetLastError(); }
-inline Error set_device(int d) { return hipSetDevice(d); }
-inline Error get_device(int* d) { return hipGetDevice(d); }
-inline Error device_count(int* n) { return hipGetDeviceCount(n); }
-inline Error device_by_pci_bus_id(int* d, const char* id) { return hipDeviceGetByPCIBusId(d, id); }
-inline Error pci_bus_id(char* buf, int len, int d) { return hipDeviceGetPCIBusId(buf, len, d); }
-inline Error can_access_peer(int* ok, int d, int peer) { return hipDeviceCanAccessPeer(ok, d, peer); }
-inline Error enable_peer_access(int peer) { return hipDeviceEnablePeerAccess(peer, 0); }
-inline Error malloc_data(void** p, size_t n) { return hipMalloc(p, n); }
 // Flags and counters: uncached, so peer writes are seen without cache
 // maintenance and spins poll memory, not a stale line.
 inline Error malloc_signals(void** p, size_t n) {
   return hipExtMallocWithFlags(p, n, hipDeviceMallocUncached);
 }
-inline Error free_device(void* p) { return hipFree(p); }
 inline Error host_alloc_mapped(void** p, size_t n) { return hipHostMalloc(p, n, hipHostMallocMapped); }
-inline Error host_device_pointer(void** d, void* h) { return hipHostGetDevicePointer(d, h, 0); }
 inline Error free_host(void* p) { return hipHostFree(p); }
-inline Error memset_device(void* p, int v, size_t n) { return hipMemset(p, v, n); }
-inline Error memcpy_to_host(void* dst, const void* src, size_t n) { return hipMemcpy(dst, src, n, hipMemcpyDeviceToHost); }
-inline Error ipc_get_handle(IpcHandle* h, void* p) { return hipIpcGetMemHandle(h, p); }
-inline Error ipc_open_handle(void** p, const IpcHandle& h) {
-  return hipIpcOpenMemHandle(p, h, hipIpcMemLazyEnablePeerAccess);
-}
-inline Error ipc_close_handle(void* p) { return hipIpcCloseMemHandle(p); }
-inline Error device_synchronize() { return hipDeviceSynchronize(); }
 inline Error multiprocessor_count(int* n, int d) {
   return hipDeviceGetAttribute(n, hipDeviceAttributeMultiprocessorCount, d);
 }
@@ -80,35 +82,11 @@ inline Error timer_ticks_per_ms(uint64_t* t, int d) {
   return e;
 }
 #else
-using Error = cudaError_t;
-using IpcHandle = cudaIpcMemHandle_t;
-constexpr Error kSuccess = cudaSuccess;
-constexpr Error kPeerAccessAlreadyEnabled = cudaErrorPeerAccessAlreadyEnabled;
-inline const char* error_string(Error e) { return cudaGetErrorString(e); }
-inline Error get_last_error() { return cudaGetLastError(); }
-inline Error set_device(int d) { return cudaSetDevice(d); }
-inline Error get_device(int* d) { return cudaGetDevice(d); }
-inline Error device_count(int* n) { return cudaGetDeviceCount(n); }
-inline Error device_by_pci_bus_id(int* d, const char* id) { return cudaDeviceGetByPCIBusId(d, id); }
-inline Error pci_bus_id(char* buf, int len, int d) { return cudaDeviceGetPCIBusId(buf, len, d); }
-inline Error can_access_peer(int* ok, int d, int peer) { return cudaDeviceCanAccessPeer(ok, d, peer); }
-inline Error enable_peer_access(int peer) { return cudaDeviceEnablePeerAccess(peer, 0); }
-inline Error malloc_data(void** p, size_t n) { return cudaMalloc(p, n); }
 // NVIDIA keeps peer-written device memory coherent for system-scope
 // acquire loads; a plain allocation serves for flags.
 inline Error malloc_signals(void** p, size_t n) { return cudaMalloc(p, n); }
-inline Error free_device(void* p) { return cudaFree(p); }
 inline Error host_alloc_mapped(void** p, size_t n) { return cudaHostAlloc(p, n, cudaHostAllocMapped); }
-inline Error host_device_pointer(void** d, void* h) { return cudaHostGetDevicePointer(d, h, 0); }
 inline Error free_host(void* p) { return cudaFreeHost(p); }
-inline Error memset_device(void* p, int v, size_t n) { return cudaMemset(p, v, n); }
-inline Error memcpy_to_host(void* dst, const void* src, size_t n) { return cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost); }
-inline Error ipc_get_handle(IpcHandle* h, void* p) { return cudaIpcGetMemHandle(h, p); }
-inline Error ipc_open_handle(void** p, const IpcHandle& h) {
-  return cudaIpcOpenMemHandle(p, h, cudaIpcMemLazyEnablePeerAccess);
-}
-inline Error ipc_close_handle(void* p) { return cudaIpcCloseMemHandle(p); }
-inline Error device_synchronize() { return cudaDeviceSynchronize(); }
 inline Error multiprocessor_count(int* n, int d) {
   return cudaDeviceGetAttribute(n, cudaDevAttrMultiProcessorCount, d);
 }
