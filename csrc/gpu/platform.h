@@ -134,14 +134,6 @@ RC_DEVICE uint64_t load_relaxed_sys(const uint64_t* p) {
 #endif
 }
 
-RC_DEVICE void store_relaxed_sys(uint64_t* p, uint64_t v) {
-#ifdef RC_HIP
-  __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
-#else
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-#endif
-}
-
 // Device-scope fence for the last-block-done count on this GPU's own memory.
 // (Publication needs no separate fence: the system-scope release store is
 // cumulative over the stores the block barrier ordered before it.)
