@@ -64,19 +64,13 @@ void check_ep(const CommConfig& c, const char* op) {
 
 }  // namespace
 
-HeapConfig CommConfig::heap_config() const {
-  HeapConfig h;
-  h.world = world;
-  h.cap = cap;
-  h.hidden = hidden;
-  h.topk = topk;
-  h.num_experts = num_experts;
-  h.elt = has_ep() ? int64_t(c10::elementSize(dtype)) : 0;
-  h.ar_slot_bytes = ar_slot_bytes;
-  return h;
+namespace {
+// The EP element size follows the payload dtype (no EP: no EP buffers).
+CommConfig with_element_size(CommConfig c) {
+  c.elt = c.has_ep() ? int64_t(c10::elementSize(c.dtype)) : 0;
+  return c;
 }
 
-namespace {
 // State (field 3) and start time (field 22) from /proc/<pid>/stat; false when
 // the process is not visible. Fields are counted after the ")" that ends the
 // command name, which may itself hold spaces and parentheses.
@@ -136,7 +130,7 @@ std::string Comm::exit_message(int peer) const {
   return s.str();
 }
 
-Comm::Comm(CommConfig cfg) : cfg_(std::move(cfg)), layout_(make_layout(cfg_.heap_config())) {}
+Comm::Comm(CommConfig cfg) : cfg_(with_element_size(std::move(cfg))), layout_(make_layout(cfg_)) {}
 
 std::string Comm::timeout_message(int op, int peer, uint64_t gen) const {
   std::ostringstream s;

@@ -14,23 +14,20 @@
 
 namespace rdna4_comm {
 
-struct CommConfig {
+// Everything a communicator is made of: the heap's sizes (HeapConfig, what
+// the layout derives from) and the rest. Bound to Python once (_C.CommConfig)
+// and filled in by Communicator.__init__, which validates it; the C++ side
+// validates the ops' arguments.
+struct CommConfig : HeapConfig {
   std::string id;
   std::string transport;  // "cpu" or "gpu"
   int rank = 0;
-  int world = 1;
-  int64_t cap = 0;  // 0: the communicator serves all_reduce only
-  int64_t hidden = 0;
-  int64_t topk = 0;
-  int64_t num_experts = 0;
-  at::ScalarType dtype = at::kBFloat16;
-  int64_t ar_slot_bytes = 0;
-  int64_t timeout_ms = 10000;
+  at::ScalarType dtype = at::kBFloat16;  // EP payload; `elt` follows it
+  int64_t timeout_ms = 0;
   int device_index = -1;  // GPU transport: the CUDA/HIP device of this rank
 
   bool has_ep() const { return cap > 0; }
   int64_t experts_per_rank() const { return num_experts / world; }
-  HeapConfig heap_config() const;
 };
 
 // How often a waiting rank looks whether a watched peer's process exited.

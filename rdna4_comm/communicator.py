@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .ops import OpShapes, order_token, register_shapes, unregister_shapes
+from .ops import order_token, register_config, unregister_config
 
 EP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Long enough for one rank to compile a model cold while its peers already
@@ -222,10 +222,16 @@ class Communicator:
         timeout_ms = _positive_int("timeout_ms", timeout_ms)
 
         self.transport = self._select_transport(transport)
-        if self.transport == "gpu" and self.world_size > _C.max_gpu_world:
-            raise ValueError(
-                f"Communicator: the GPU transport supports at most {_C.max_gpu_world} ranks, got {self.world_size}"
-            )
+        if self.transport == "gpu":
+            if self.world_size > _C.max_gpu_world:
+                raise ValueError(
+                    f"Communicator: the GPU transport supports at most {_C.max_gpu_world} ranks, got {self.world_size}"
+                )
+            if cap > _C.max_gpu_tokens_per_rank:
+                raise ValueError(
+                    f"Communicator: max_tokens_per_rank must be at most {_C.max_gpu_tokens_per_rank} on the GPU "
+                    f"transport, got {cap}"
+                )
         if allreduce_slot_bytes is None:
             allreduce_slot_bytes = DEFAULT_ALLREDUCE_SLOT_BYTES[self.transport]
         allreduce_slot_bytes = _positive_int("allreduce_slot_bytes", allreduce_slot_bytes)
@@ -239,10 +245,14 @@ class Communicator:
         self.id = f"rdna4_comm.{os.getpid()}.{next(_ids)}"
         self._order = order_token(self.device)
 
-        handle = _C.create(
-            self.id, self.transport, self.rank, self.world_size, cap, hidden, topk, num_experts,
-            dtype, allreduce_slot_bytes, timeout_ms, self.device.index if self.device.index is not None else -1,
-        )
+        config = _C.CommConfig()
+        for name, value in dict(
+            id=self.id, transport=self.transport, rank=self.rank, world=self.world_size, cap=cap, hidden=hidden,
+            topk=topk, num_experts=num_experts, dtype=dtype, ar_slot_bytes=allreduce_slot_bytes,
+            timeout_ms=timeout_ms, device_index=-1 if self.device.index is None else self.device.index,
+        ).items():
+            setattr(config, name, value)
+        handle = _C.create(config)
         self._open = True
         self._finalizer = weakref.finalize(self, _release, self.id)
         handles = [None] * self.world_size
@@ -259,7 +269,7 @@ class Communicator:
         procs = [None] * self.world_size
         dist.all_gather_object(procs, me, group=self.group)
         _C.watch_peers(self.id, [(r, pid, start) for r, (host, pid, start) in enumerate(procs) if host == me[0]])
-        register_shapes(self.id, OpShapes(self.world_size, cap, hidden, topk, dtype, self.device))
+        register_config(config, self.device)
 
     def _select_transport(self, requested: str) -> str:
         if requested == "cpu":
@@ -410,7 +420,7 @@ class Communicator:
 
 
 def _release(comm_id: str) -> None:
-    unregister_shapes(comm_id)
+    unregister_config(comm_id)
     _C.destroy(comm_id)
 
 

@@ -15,26 +15,15 @@ order. The ops never read or change the token's value.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from . import _C  # noqa: F401  (loads the schemas into torch.ops.rdna4_comm)
 
 
-@dataclass(frozen=True)
-class OpShapes:
-    """What a fake needs to know about a communicator: its output shapes."""
-
-    world: int
-    cap: int
-    hidden: int
-    topk: int
-    dtype: torch.dtype
-    device: torch.device
-
-
-_SHAPES: dict[str, OpShapes] = {}
+# What the fakes know of each open communicator of this process: its
+# configuration (world, cap, hidden, topk, dtype: the output shapes) and device.
+_CONFIGS: dict[str, tuple] = {}
 _ORDER_TOKENS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -67,17 +56,19 @@ def mark_dynamic_tokens(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return x
 
 
-def register_shapes(comm_id: str, shapes: OpShapes) -> None:
-    _SHAPES[comm_id] = shapes
+def register_config(config, device: torch.device) -> None:
+    _CONFIGS[config.id] = (config, device)
 
 
-def unregister_shapes(comm_id: str) -> None:
-    _SHAPES.pop(comm_id, None)
+def unregister_config(comm_id: str) -> None:
+    _CONFIGS.pop(comm_id, None)
 
 
-def _shapes(comm_id: str, op: str, **tensors) -> OpShapes:
+def _config_of(comm_id: str, op: str, **tensors):
+    """The communicator's configuration (an rdna4_comm._C.CommConfig), after
+    checking that every tensor is on its device."""
     try:
-        s = _SHAPES[comm_id]
+        s, device = _CONFIGS[comm_id]
     except KeyError:
         raise ValueError(
             f"rdna4_comm: no open communicator with id {comm_id!r} in this process "
@@ -86,20 +77,20 @@ def _shapes(comm_id: str, op: str, **tensors) -> OpShapes:
     # The C++ ops check everything else; a call with a tensor on another
     # device (meta included) reaches this fake instead of them.
     for arg, t in tensors.items():
-        if t is not None and t.device != s.device:
-            raise ValueError(f"{op}: {arg} must be on {s.device} (the communicator's device), got {t.device}")
+        if t is not None and t.device != device:
+            raise ValueError(f"{op}: {arg} must be on {device} (the communicator's device), got {t.device}")
     return s
 
 
 @torch.library.register_fake("rdna4_comm::all_reduce")
 def _all_reduce_fake(x: torch.Tensor, order: torch.Tensor, comm: str) -> torch.Tensor:
-    _shapes(comm, "all_reduce", x=x, order=order)
+    _config_of(comm, "all_reduce", x=x, order=order)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("rdna4_comm::dispatch")
 def _dispatch_fake(x, topk_idx, topk_weights, order, comm):
-    s = _shapes(comm, "dispatch", x=x, topk_idx=topk_idx, topk_weights=topk_weights, order=order)
+    s = _config_of(comm, "dispatch", x=x, topk_idx=topk_idx, topk_weights=topk_weights, order=order)
     rows = s.world * s.cap
     i32 = dict(dtype=torch.int32, device=x.device)
     tokens = math.prod(x.shape[:-1])  # leading dimensions of x are tokens
@@ -117,6 +108,6 @@ def _dispatch_fake(x, topk_idx, topk_weights, order, comm):
 
 @torch.library.register_fake("rdna4_comm::combine")
 def _combine_fake(y, recv_src, counts, src_tokens, send_mask, order, comm):
-    s = _shapes(comm, "combine", y=y, recv_src=recv_src, counts=counts, src_tokens=src_tokens,
+    s = _config_of(comm, "combine", y=y, recv_src=recv_src, counts=counts, src_tokens=src_tokens,
                 send_mask=send_mask, order=order)
     return y.new_empty((send_mask.shape[0], s.hidden))

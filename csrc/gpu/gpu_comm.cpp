@@ -45,11 +45,8 @@ DType dtype_of(at::ScalarType t) {
 class GpuComm final : public Comm {
  public:
   explicit GpuComm(CommConfig cfg) : Comm(std::move(cfg)) {
-    TORCH_CHECK(cfg_.world <= kMaxGpuWorld, "rdna4_comm: the GPU transport supports at most ", kMaxGpuWorld,
-                " ranks");
-    TORCH_CHECK(cfg_.device_index >= 0, "rdna4_comm: the GPU transport needs a device index");
-    TORCH_CHECK_VALUE(cfg_.cap <= kMaxGpuTokensPerRank, "Communicator: max_tokens_per_rank must be at most ",
-                      kMaxGpuTokensPerRank, " on the GPU transport, got ", cfg_.cap);
+    // Communicator validated the configuration; Env's arrays depend on this.
+    TORCH_INTERNAL_ASSERT(cfg_.world <= kMaxGpuWorld && cfg_.device_index >= 0 && cfg_.cap <= kMaxGpuTokensPerRank);
     env_.layout = layout_;
     env_.rank = cfg_.rank;
     env_.world = cfg_.world;
