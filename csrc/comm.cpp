@@ -101,21 +101,22 @@ uint64_t process_start_time(int pid) {
   return read_proc_stat(pid, &state, &start) ? start : 0;
 }
 
+bool process_alive(const PeerProcess& p) {
+  char state = 0;
+  uint64_t start = 0;
+  // Gone, reused by another process, or a zombie waiting to be reaped.
+  return read_proc_stat(p.pid, &state, &start) && start == p.start_time && state != 'Z' && state != 'X';
+}
+
 void Comm::watch_peers(const std::vector<PeerProcess>& peers) {
   watched_.clear();
   for (const auto& p : peers)
-    if (p.rank != cfg_.rank && p.start_time != 0 && process_start_time(p.pid) == p.start_time)
-      watched_.push_back(p);
+    if (p.rank != cfg_.rank && p.start_time != 0 && process_alive(p)) watched_.push_back(p);
 }
 
 int Comm::exited_peer() const {
-  for (const auto& p : watched_) {
-    char state = 0;
-    uint64_t start = 0;
-    // Gone, reused by another process, or a zombie waiting to be reaped.
-    if (!read_proc_stat(p.pid, &state, &start) || start != p.start_time || state == 'Z' || state == 'X')
-      return p.rank;
-  }
+  for (const auto& p : watched_)
+    if (!process_alive(p)) return p.rank;
   return -1;
 }
 

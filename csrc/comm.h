@@ -43,6 +43,9 @@ struct PeerProcess {
 // Start time of process `pid` (clock ticks since boot), or 0 when this
 // process cannot see it (it exited, or lives in another pid namespace).
 uint64_t process_start_time(int pid);
+// Whether the process is still the one seen at start_time (not gone, not
+// replaced by a reused pid, not a zombie).
+bool process_alive(const PeerProcess& p);
 
 // Outputs of dispatch, in schema order.
 struct Dispatched {

@@ -129,6 +129,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("watch_peers", &watch_peers, "Watch the peers' processes: [(rank, pid, start_time)]");
   m.def("process_start_time", &process_start_time, py::arg("pid"),
         "Start time of a process as /proc shows it, 0 if not visible");
+  m.def("process_alive", [](int pid, uint64_t start_time) { return process_alive(PeerProcess{-1, pid, start_time}); },
+        py::arg("pid"), py::arg("start_time"), "Whether that process still runs (not gone, reused or a zombie)");
 #ifdef RDNA4_COMM_WITH_GPU
   m.attr("with_gpu") = true;
 #else

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
+from ._rendezvous import Rendezvous
 from .ops import order_token, register_config, unregister_config
 
 EP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -221,7 +222,14 @@ class Communicator:
                 raise ValueError(f"RDNA4_COMM_TIMEOUT_MS must be a positive integer (milliseconds), got {env!r}") from None
         timeout_ms = _positive_int("timeout_ms", timeout_ms)
 
-        self.transport = self._select_transport(transport)
+        # Every exchange of the construction is bounded by timeout_ms (_rendezvous).
+        rendezvous = Rendezvous(self.group, timeout_ms)
+        me = dict(host=host_identity(), pid=os.getpid(), start=_C.process_start_time(os.getpid()),
+                  gpu=_gpu_identity())
+        ranks = rendezvous.exchange("hello", me)
+        rendezvous.processes = [(p["pid"], p["start"]) if p["host"] == me["host"] and p["start"] else None
+                                for p in ranks]
+        self.transport = self._select_transport(transport, [p["gpu"] for p in ranks])
         if self.transport == "gpu":
             if self.world_size > _C.max_gpu_world:
                 raise ValueError(
@@ -252,30 +260,30 @@ class Communicator:
             timeout_ms=timeout_ms, device_index=-1 if self.device.index is None else self.device.index,
         ).items():
             setattr(config, name, value)
-        handle = _C.create(config)
-        self._open = True
-        self._finalizer = weakref.finalize(self, _release, self.id)
-        handles = [None] * self.world_size
-        dist.all_gather_object(handles, handle, group=self.group)
-        _C.connect(self.id, handles)
-        dist.barrier(group=self.group)
-        problems = [None] * self.world_size
-        dist.all_gather_object(problems, _C.finish(self.id), group=self.group)
+        try:
+            handle = _C.create(config)
+            self._open = True
+            self._finalizer = weakref.finalize(self, _release, self.id)
+            _C.connect(self.id, rendezvous.exchange("heap", handle))
+            rendezvous.exchange("connected", None)  # every rank has opened every heap
+            problems = rendezvous.exchange("probe", _C.finish(self.id))
+        except BaseException as e:
+            rendezvous.fail(e)
+            rendezvous.remove_segments_of_exited()
+            if getattr(self, "_open", False):
+                self.close()
+            raise
         bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
         if bad:
             self.close()
             raise RuntimeError("Communicator: peer-to-peer probe failed:\n" + "\n".join(bad))
-        me = (host_identity(), os.getpid(), _C.process_start_time(os.getpid()))
-        procs = [None] * self.world_size
-        dist.all_gather_object(procs, me, group=self.group)
-        _C.watch_peers(self.id, [(r, pid, start) for r, (host, pid, start) in enumerate(procs) if host == me[0]])
+        _C.watch_peers(self.id, [(r, *p) for r, p in enumerate(rendezvous.processes) if p is not None])
         register_config(config, self.device)
 
-    def _select_transport(self, requested: str) -> str:
+    def _select_transport(self, requested: str, ids: list) -> str:
+        """The transport for ``requested``, from every rank's GPU identity ``ids``."""
         if requested == "cpu":
             return "cpu"
-        ids = [None] * self.world_size
-        dist.all_gather_object(ids, _gpu_identity(), group=self.group)
         distinct = len(set(ids)) == len(ids) or shared_gpus_allowed()
         usable = all(i is not None for i in ids) and distinct
         if requested == "gpu" and not usable:

@@ -153,6 +153,56 @@ def test_a_killed_rank_makes_the_peer_raise_at_once_and_leaves_no_shm(transport)
     assert shm_segments(*pids) == []
 
 
+def t_construct(ctx, timeout_ms):
+    start = time.monotonic()
+    try:
+        rc.Communicator(transport=ctx.transport, timeout_ms=timeout_ms).close()
+        return None, time.monotonic() - start, shm_segments(os.getpid())
+    except RuntimeError as e:
+        return str(e), time.monotonic() - start, shm_segments(os.getpid())
+
+
+def t_construct_in_background(ctx):
+    """Start constructing and return while the construction waits for rank 0."""
+    import threading
+
+    threading.Thread(target=lambda: rc.Communicator(transport=ctx.transport), daemon=True).start()
+    time.sleep(0.5)  # long enough to publish its first record
+
+
+def t_wait_then_construct(ctx, delay_s, timeout_ms):
+    time.sleep(delay_s)
+    return t_construct(ctx, timeout_ms)
+
+
+@pytest.mark.parametrize("transport", KILL_TRANSPORTS)
+def test_construction_is_bounded_when_a_rank_never_constructs(transport):
+    world = World(2, transport)
+    try:
+        [(message, elapsed, segments)] = world.run(t_construct, 1500, ranks=[0])
+        assert message is not None and "ranks [1] did not arrive" in message and "1500 ms" in message, message
+        assert 1.4 < elapsed < 2.5, elapsed
+        assert segments == []
+    finally:
+        world.kill()
+
+
+@pytest.mark.parametrize("transport", KILL_TRANSPORTS)
+def test_construction_raises_at_once_when_a_rank_is_killed_during_it(transport):
+    world = World(2, transport)
+    pids = [p.pid for p in world.procs]
+    try:
+        world.run(t_construct_in_background, ranks=[1])
+        world.kill_rank(1)  # SIGKILL while its construction waits
+        [(message, elapsed, segments)] = world.run(t_wait_then_construct, 0.0, 60_000, ranks=[0])
+        assert message is not None and "ranks [1] exited during construction" in message, message
+        assert elapsed < 5.0, elapsed  # the liveness check, not the 60 s bound
+        assert segments == []
+    finally:
+        world.kill()
+    assert shm_segments(*pids) == []
+
+
 def t_bad_construction(ctx):
     cases = {
         "partial_ep": dict(max_tokens_per_rank=4, hidden=8),
