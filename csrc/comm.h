@@ -33,6 +33,20 @@ struct CommConfig {
   HeapConfig heap_config() const;
 };
 
+// How often a waiting rank looks whether a watched peer's process exited.
+constexpr int kLivenessPeriodMs = 50;
+
+// A peer's process on this host, as this process sees it in /proc.
+struct PeerProcess {
+  int rank = -1;
+  int pid = 0;
+  uint64_t start_time = 0;  // /proc/<pid>/stat field 22: tells a reused pid apart
+};
+
+// Start time of process `pid` (clock ticks since boot), or 0 when this
+// process cannot see it (it exited, or lives in another pid namespace).
+uint64_t process_start_time(int pid);
+
 // Outputs of dispatch, in schema order.
 struct Dispatched {
   at::Tensor x;           // [W*cap, H] dtype
@@ -66,6 +80,11 @@ class Comm {
   // Raises if an earlier op failed (e.g. timed out); ops call it on entry.
   virtual void check() = 0;
 
+  // Peers whose process this process can see (same host and pid namespace),
+  // so a wait gives up as soon as one of them exits, long before the timeout.
+  // Peers it cannot see are bounded by the timeout alone.
+  virtual void watch_peers(const std::vector<PeerProcess>& peers);
+
   at::Tensor all_reduce(const at::Tensor& x);
   Dispatched dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
                       const c10::optional<at::Tensor>& topk_weights);
@@ -83,9 +102,13 @@ class Comm {
                             at::Tensor& out) = 0;
 
   std::string timeout_message(int op, int peer, uint64_t gen) const;
+  // The rank of a watched peer whose process has exited, or -1.
+  int exited_peer() const;
+  std::string exit_message(int peer) const;
 
   CommConfig cfg_;
   Layout layout_;
+  std::vector<PeerProcess> watched_;
 
  private:
   Dispatched allocate_dispatched(int64_t ntok, bool with_weights) const;

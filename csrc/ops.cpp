@@ -9,20 +9,38 @@
 namespace rdna4_comm {
 namespace {
 
-at::Tensor all_reduce_op(const at::Tensor& x, c10::string_view comm) {
-  return find_comm(std::string(comm))->all_reduce(x);
+// `order` is the process's ordering token for the op's device. Every
+// collective declares that it writes it (and none reads it), so compilers
+// never drop a collective whose result is unused and never reorder two of
+// them: the token's writes are a chain in program order.
+void check_order_token(const char* op, const at::Tensor& order, const at::Device& dev) {
+  TORCH_CHECK_VALUE(order.device() == dev && order.dim() == 1 && order.numel() == 1, op,
+                    ": order must be the ordering token of the communicator's device (", dev,
+                    "; rdna4_comm.ops.order_token), got a tensor of shape ", order.sizes(), " on ",
+                    order.device());
+}
+
+at::Tensor all_reduce_op(const at::Tensor& x, at::Tensor& order, c10::string_view comm) {
+  auto c = find_comm(std::string(comm));
+  check_order_token("all_reduce", order, c->device());
+  return c->all_reduce(x);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 dispatch_op(const at::Tensor& x, const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights,
-            c10::string_view comm) {
-  Dispatched d = find_comm(std::string(comm))->dispatch(x, topk_idx, topk_weights);
+            at::Tensor& order, c10::string_view comm) {
+  auto c = find_comm(std::string(comm));
+  check_order_token("dispatch", order, c->device());
+  Dispatched d = c->dispatch(x, topk_idx, topk_weights);
   return {d.x, d.topk_idx, d.topk_weights, d.counts, d.recv_src, d.src_tokens, d.send_mask};
 }
 
 at::Tensor combine_op(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
-                      const at::Tensor& src_tokens, const at::Tensor& send_mask, c10::string_view comm) {
-  return find_comm(std::string(comm))->combine(y, recv_src, counts, src_tokens, send_mask);
+                      const at::Tensor& src_tokens, const at::Tensor& send_mask, at::Tensor& order,
+                      c10::string_view comm) {
+  auto c = find_comm(std::string(comm));
+  check_order_token("combine", order, c->device());
+  return c->combine(y, recv_src, counts, src_tokens, send_mask);
 }
 
 py::bytes create(const std::string& id, const std::string& transport, int rank, int world, int64_t cap,
@@ -65,6 +83,12 @@ std::string finish(const std::string& id) { return find_comm(id)->finish(); }
 
 void check(const std::string& id) { find_comm(id)->check(); }
 
+void watch_peers(const std::string& id, const std::vector<std::tuple<int, int, uint64_t>>& peers) {
+  std::vector<PeerProcess> v;
+  for (const auto& [rank, pid, start] : peers) v.push_back(PeerProcess{rank, pid, start});
+  find_comm(id)->watch_peers(v);
+}
+
 py::dict layout(const std::string& id) {
   const Layout& l = find_comm(id)->layout();
   py::dict d;
@@ -78,14 +102,14 @@ py::dict layout(const std::string& id) {
 }  // namespace
 
 TORCH_LIBRARY(rdna4_comm, m) {
-  m.def("all_reduce(Tensor x, str comm) -> Tensor");
+  m.def("all_reduce(Tensor x, Tensor(a!) order, str comm) -> Tensor");
   m.def(
-      "dispatch(Tensor x, Tensor topk_idx, Tensor? topk_weights, str comm) -> "
+      "dispatch(Tensor x, Tensor topk_idx, Tensor? topk_weights, Tensor(a!) order, str comm) -> "
       "(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor counts, Tensor recv_src, "
       "Tensor src_tokens, Tensor send_mask)");
   m.def(
       "combine(Tensor y, Tensor recv_src, Tensor counts, Tensor src_tokens, Tensor send_mask, "
-      "str comm) -> Tensor");
+      "Tensor(a!) order, str comm) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(rdna4_comm, CPU, m) {
@@ -113,6 +137,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("finish", &finish, "Finish bootstrap after a group barrier (unlink, P2P probe)");
   m.def("destroy", &remove_comm, "Release this rank's communicator");
   m.def("check", &check, "Raise if an earlier op of the communicator failed");
+  m.def("watch_peers", &watch_peers, "Watch the peers' processes: [(rank, pid, start_time)]");
+  m.def("process_start_time", &process_start_time, py::arg("pid"),
+        "Start time of a process as /proc shows it, 0 if not visible");
   m.def("layout", &layout, "Heap layout sizes of a communicator");
 #ifdef RDNA4_COMM_WITH_GPU
   m.attr("with_gpu") = true;

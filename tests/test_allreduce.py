@@ -101,7 +101,7 @@ def t_opcheck(ctx):
     comm = ctx.comm(allreduce_slot_bytes=SLOT)
     for dtype in DTYPES:
         x = rand(1, ctx.rank, (7, 5), dtype).to(ctx.device)
-        torch.library.opcheck(torch.ops.rdna4_comm.all_reduce.default, (x, comm.id))
+        torch.library.opcheck(torch.ops.rdna4_comm.all_reduce.default, (x, rc.ops.order_token(x.device), comm.id))
     return True
 
 
