@@ -149,16 +149,15 @@ def adapter_for(block: nn.Module) -> MoEAdapter:
 def _keep_local_experts(experts: nn.Module, comm: Communicator) -> None:
     """Cut every per-expert parameter ([E, ...]) down to this rank's experts and
     tell the module it holds ``E/W`` of them, as HF's own expert sharding does."""
-    n = comm.num_experts // comm.world_size
-    first = comm.rank * n
+    mine = slice(comm.local_experts.start, comm.local_experts.stop)
     for name, p in list(experts.named_parameters(recurse=False)):
         if p.shape[0] != comm.num_experts:
             raise ValueError(
                 f"experts.{name} has shape {tuple(p.shape)}; every experts parameter must have "
                 f"num_experts ({comm.num_experts}) rows in dim 0"
             )
-        setattr(experts, name, nn.Parameter(p.data[first : first + n].clone(), requires_grad=p.requires_grad))
-    experts.num_experts = n
+        setattr(experts, name, nn.Parameter(p.data[mine].clone(), requires_grad=p.requires_grad))
+    experts.num_experts = comm.num_local_experts
     # Set by transformers' use_experts_implementation: its grouped_mm and
     # batched_mm forwards mask the non-local id only when this is set.
     if hasattr(experts, "_is_expert_parallel"):
@@ -219,19 +218,18 @@ class ExpertParallelMoEBlock(nn.Module):
                 "build the model with experts_implementation='grouped_mm' or 'batched_mm'"
             )
         _keep_local_experts(experts, comm)
-        self.num_local_experts = experts.num_experts
 
     def forward(self, hidden_states: torch.Tensor):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         routing = self.adapter.route(getattr(self, self.adapter.router), x)
-        weights = routing.topk_weights
-        d = self.comm.dispatch(x, routing.topk_idx, weights.float())
+        # Routing goes through in the router's dtypes (int64 ids; fp32 or
+        # bf16 weights), which the HF experts expect.
+        d = self.comm.dispatch(x, routing.topk_idx, routing.topk_weights)
         # The library marks a slot whose expert lives on another rank (and
         # every slot of a padding row) with -1; HF experts skip the id
         # num_local_experts instead. Weights there are 0 either way.
-        idx = d.topk_idx.long()
-        local_idx = torch.where(idx < 0, self.num_local_experts, idx)
-        y = self.adapter.run_experts(self.experts, d.x, local_idx, d.topk_weights.to(weights.dtype))
+        local_idx = torch.where(d.topk_idx < 0, self.comm.num_local_experts, d.topk_idx)
+        y = self.adapter.run_experts(self.experts, d.x, local_idx, d.topk_weights)
         out = self.comm.combine(y, d.handle)
         if self.adapter.shared is not None:
             out = out + self.adapter.shared(self, x)
