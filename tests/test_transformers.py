@@ -2,10 +2,11 @@
 Face MoE blocks and the tensor-parallel LlamaMLP give what the HF blocks give.
 
 Each rank builds the same tiny random block (same seed), computes the HF
-block's own forward on its tokens ([B, S, H], no tokens on rank 1), then
-converts the block and runs the parallel form on the same tokens, eager and
-compiled (fullgraph). CPU time: eager at W = 2 and 4 (cheap); compiled only
-at W = 2, in fp32, for the four main models and the MLP.
+block's own forward on its tokens ([B, S, H], shapes changing between calls,
+ranks without tokens), then converts the block and runs the parallel form on
+the same tokens, eager and compiled (fullgraph, one graph for every shape).
+CPU time: eager at W = 2 and 4 (cheap); compiled only at W = 2: fp32 for
+Mixtral, Qwen3-MoE, DeepSeek-V3 and GPT-OSS, bf16 for Qwen3-MoE, and the MLP.
 """
 from __future__ import annotations
 
@@ -14,14 +15,18 @@ import sys
 
 import pytest
 import torch
+import torch._dynamo.testing
 from common import rand
+
+import rdna4_comm as rc
 
 transformers = pytest.importorskip("transformers")
 from rdna4_comm.integrations import transformers as hf  # noqa: E402
 
 H, I, E, K = 32, 48, 8, 2
 CAP = 16
-# Tokens [B, S, H] per rank: rank 1 has none, the others differ.
+# Tokens [B, S, H]: rank r's call i takes shape (r + i) % 4, so the first two
+# calls have a rank without tokens and shapes differ between ranks and calls.
 TOKEN_SHAPES = [(2, 3), (0, 3), (1, 5), (3, 2)]
 
 
@@ -80,19 +85,25 @@ def ep_config(dtype):
 
 
 def t_moe(ctx, model, experts_implementation, dtype, seed, compiled):
-    """(HF block's output, EP eager, EP compiled or None) on this rank's tokens."""
+    """Per call, (HF block's output, EP eager, EP compiled or None) on this
+    rank's tokens, and how many graphs the compiled block took."""
     comm = ctx.comm(**ep_config(dtype))
     block = _block(model, experts_implementation, dtype, seed)
-    x = rand(seed, ctx.rank, TOKEN_SHAPES[ctx.rank] + (H,), dtype)
     keys = block.state_dict().keys()
+    xs = [rand(seed + i, ctx.rank, TOKEN_SHAPES[(ctx.rank + i) % len(TOKEN_SHAPES)] + (H,), dtype) for i in range(3)]
     with torch.no_grad():
-        expected = block(x)
+        expected = [block(x) for x in xs]
         ep = hf.ExpertParallelMoEBlock(block, comm)
-        eager = ep(x)
+        eager = [ep(x) for x in xs]
+        fast, graphs = [None] * len(xs), 0
+        if compiled:
+            counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+            f = torch.compile(ep, fullgraph=True, backend=counter)
+            # Batch and sequence sizes change between calls and ranks: one graph serves them all.
+            fast = [f(rc.mark_dynamic_tokens(rc.mark_dynamic_tokens(x, 0), 1)) for x in xs]
+            graphs = counter.frame_count
     assert ep.state_dict().keys() == keys, "the EP block's parameter names differ from the HF block's"
-    with torch.no_grad():
-        fast = torch.compile(ep, fullgraph=True)(x) if compiled else None
-    return expected, eager, fast
+    return list(zip(expected, eager, fast)), graphs
 
 
 def assert_matches(actual, expected, dtype, what):
@@ -110,11 +121,13 @@ def assert_matches(actual, expected, dtype, what):
 
 
 def check_moe(results, dtype):
-    for r, (expected, eager, compiled) in enumerate(results):
-        assert type(eager) is type(expected), f"rank {r}: returns {type(eager)}, the HF block {type(expected)}"
-        assert_matches(eager, expected, dtype, f"rank {r} eager")
-        if compiled is not None:
-            assert_matches(compiled, expected, dtype, f"rank {r} compiled")
+    for r, (calls, graphs) in enumerate(results):
+        assert graphs <= 1, f"rank {r}: {graphs} graphs compiled for {len(calls)} token shapes"
+        for i, (expected, eager, compiled) in enumerate(calls):
+            assert type(eager) is type(expected), f"rank {r}: returns {type(eager)}, the HF block {type(expected)}"
+            assert_matches(eager, expected, dtype, f"rank {r} call {i} eager")
+            if compiled is not None:
+                assert_matches(compiled, expected, dtype, f"rank {r} call {i} compiled")
 
 
 # (model, experts_implementation): the HF eager loop where it can skip other
