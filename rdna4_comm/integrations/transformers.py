@@ -15,9 +15,10 @@
   gate/up column-parallel, down row-parallel, ``comm.all_reduce`` of the
   partial sums.
 
-Both take the block's modules over: build them from a block that is not used
-afterwards (the experts module is cut down to this rank's experts in place).
-They run forward only (the ops have no autograd) and compile with
+:class:`ExpertParallelMoEBlock` takes the block's modules over and cuts its
+experts module down to this rank's experts in place: do not use the block
+afterwards. :class:`TensorParallelMLP` copies its slices and leaves the MLP
+as it was. Both run forward only (the ops have no autograd) and compile with
 ``torch.compile(fullgraph=True)`` where the block's own code does; see
 docs/integrations.md.
 
@@ -265,9 +266,9 @@ class TensorParallelMLP(nn.Module):
 
     Rank ``r`` holds rows ``[r*I/W, (r+1)*I/W)`` of ``gate_proj`` and ``up_proj``
     (column-parallel) and the same columns of ``down_proj`` (row-parallel), so
-    its down projection is a partial sum of the output; ``comm.all_reduce``
-    adds the partial sums in fp32 in rank order, bitwise identical on every
-    rank. Every rank passes the same ``x``.
+    its down projection is a partial sum of the output, in the MLP's dtype;
+    ``comm.all_reduce`` adds the partial sums in fp32 in rank order, rounded
+    once, bitwise identical on every rank. Every rank passes the same ``x``.
 
     The reduction is kept apart from the rest (:meth:`partial_sum`) so that a
     decoder layer can hand the partial sum to a fused all_reduce + residual +
