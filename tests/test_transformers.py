@@ -20,7 +20,7 @@ from common import rand
 
 import rdna4_comm as rc
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", minversion="5.18")  # setup.py extra "transformers"
 from rdna4_comm.integrations import transformers as hf  # noqa: E402
 
 H, I, E, K = 32, 48, 8, 2
