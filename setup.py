@@ -13,7 +13,7 @@ import torch
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
-CPU_SOURCES = ["csrc/ops.cpp", "csrc/comm.cpp", "csrc/cpu_transport.cpp"]
+CPU_SOURCES = ["csrc/ops.cpp", "csrc/comm.cpp", "csrc/cpu/cpu_comm.cpp"]
 GPU_SOURCES = ["csrc/gpu/gpu_comm.cpp", "csrc/gpu/kernels.cu"]
 
 

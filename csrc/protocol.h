@@ -189,20 +189,20 @@ struct Layout {
   size_t payload_stride = 0;  // bytes of one hidden row, 16-byte aligned
   size_t row_stride = 0;      // dispatch row: payload, topk ids, weights, source token
 
-  size_t counters = 0;     // [kNumOps] own generation counters
-  size_t blocks_done = 0;  // [kNumOps] GPU: blocks finished in the running op
-  size_t ar_flags = 0;     // [2][2 phases][W][kMaxAllReduceBlocks] u64
-  size_t ep_heads = 0;     // [2][W] HeadSlot
-  size_t ep_chunks = 0;    // [2][W][max_chunks] ChunkSlot
-  size_t cb_flags = 0;     // [2][W][max_chunks] u64
-  size_t probe_flags = 0;  // [W] u64
+  size_t counters = 0;         // [kNumOps] own generation counters
+  size_t blocks_done = 0;      // [kNumOps] GPU: blocks finished in the running op
+  size_t ar_flags = 0;         // [2][2 phases][W][kMaxAllReduceBlocks] u64
+  size_t dispatch_heads = 0;   // [2][W] HeadSlot
+  size_t dispatch_chunks = 0;  // [2][W][max_chunks] ChunkSlot
+  size_t combine_flags = 0;    // [2][W][max_chunks] u64
+  size_t probe_flags = 0;      // [W] u64
   size_t signal_bytes = 0;
 
-  size_t ar_inbox = 0;     // [2][W][ar_slot_bytes]: input (one-shot) or scatter share (two-shot)
-  size_t ar_gather = 0;    // [2][W][ar_slot_bytes]: reduced shares (two-shot)
-  size_t ep_recv = 0;      // [2][W src][cap][row_stride]
-  size_t cb_inbox = 0;     // [2][W dst][cap][payload_stride]
-  size_t probe = 0;        // [W][kProbeBytes]
+  size_t ar_inbox = 0;       // [2][W][ar_slot_bytes]: input (one-shot) or scatter share (two-shot)
+  size_t ar_gather = 0;      // [2][W][ar_slot_bytes]: reduced shares (two-shot)
+  size_t dispatch_recv = 0;  // [2][W src][cap][row_stride]
+  size_t combine_inbox = 0;  // [2][W dst][cap][payload_stride]
+  size_t probe = 0;          // [W][kProbeBytes]
   size_t data_bytes = 0;
 
   RC_HD uint64_t* counter(char* sig, int op) const {
@@ -215,15 +215,15 @@ struct Layout {
     return reinterpret_cast<uint64_t*>(sig + ar_flags) +
            ((size_t(gen & 1) * 2 + phase) * world + src) * kMaxAllReduceBlocks + block;
   }
-  RC_HD HeadSlot* ep_head(char* sig, uint64_t gen, int src) const {
-    return reinterpret_cast<HeadSlot*>(sig + ep_heads) + size_t(gen & 1) * world + src;
+  RC_HD HeadSlot* dispatch_head(char* sig, uint64_t gen, int src) const {
+    return reinterpret_cast<HeadSlot*>(sig + dispatch_heads) + size_t(gen & 1) * world + src;
   }
-  RC_HD ChunkSlot* ep_chunk(char* sig, uint64_t gen, int src, int64_t chunk) const {
-    return reinterpret_cast<ChunkSlot*>(sig + ep_chunks) +
+  RC_HD ChunkSlot* dispatch_chunk(char* sig, uint64_t gen, int src, int64_t chunk) const {
+    return reinterpret_cast<ChunkSlot*>(sig + dispatch_chunks) +
            (size_t(gen & 1) * world + src) * max_chunks + chunk;
   }
-  RC_HD uint64_t* cb_flag(char* sig, uint64_t gen, int src, int64_t chunk) const {
-    return reinterpret_cast<uint64_t*>(sig + cb_flags) +
+  RC_HD uint64_t* combine_flag(char* sig, uint64_t gen, int src, int64_t chunk) const {
+    return reinterpret_cast<uint64_t*>(sig + combine_flags) +
            (size_t(gen & 1) * world + src) * max_chunks + chunk;
   }
   RC_HD uint64_t* probe_flag(char* sig, int src) const {
@@ -235,11 +235,11 @@ struct Layout {
   RC_HD char* ar_gather_slot(char* data, uint64_t gen, int owner) const {
     return data + ar_gather + (size_t(gen & 1) * world + owner) * size_t(ar_slot_bytes);
   }
-  RC_HD char* ep_row(char* data, uint64_t gen, int src, int64_t row) const {
-    return data + ep_recv + ((size_t(gen & 1) * world + src) * size_t(cap) + size_t(row)) * row_stride;
+  RC_HD char* dispatch_row(char* data, uint64_t gen, int src, int64_t row) const {
+    return data + dispatch_recv + ((size_t(gen & 1) * world + src) * size_t(cap) + size_t(row)) * row_stride;
   }
-  RC_HD char* cb_row(char* data, uint64_t gen, int dst, int64_t token) const {
-    return data + cb_inbox +
+  RC_HD char* combine_row(char* data, uint64_t gen, int dst, int64_t token) const {
+    return data + combine_inbox +
            ((size_t(gen & 1) * world + dst) * size_t(cap) + size_t(token)) * payload_stride;
   }
   RC_HD char* probe_buf(char* data, int src) const { return data + probe + size_t(src) * kProbeBytes; }
@@ -276,17 +276,17 @@ inline Layout make_layout(const HeapConfig& c) {
   l.counters = take(sizeof(uint64_t) * kNumOps);
   l.blocks_done = take(sizeof(uint64_t) * kNumOps);
   l.ar_flags = take(sizeof(uint64_t) * 2 * 2 * W * kMaxAllReduceBlocks);
-  l.ep_heads = take(sizeof(HeadSlot) * 2 * W);
-  l.ep_chunks = take(sizeof(ChunkSlot) * 2 * W * size_t(l.max_chunks));
-  l.cb_flags = take(sizeof(uint64_t) * 2 * W * size_t(l.max_chunks));
+  l.dispatch_heads = take(sizeof(HeadSlot) * 2 * W);
+  l.dispatch_chunks = take(sizeof(ChunkSlot) * 2 * W * size_t(l.max_chunks));
+  l.combine_flags = take(sizeof(uint64_t) * 2 * W * size_t(l.max_chunks));
   l.probe_flags = take(sizeof(uint64_t) * W);
   l.signal_bytes = off;
 
   off = 0;
   l.ar_inbox = take(2 * W * size_t(l.ar_slot_bytes));
   l.ar_gather = take(2 * W * size_t(l.ar_slot_bytes));
-  l.ep_recv = take(2 * W * size_t(c.cap) * l.row_stride);
-  l.cb_inbox = take(2 * W * size_t(c.cap) * l.payload_stride);
+  l.dispatch_recv = take(2 * W * size_t(c.cap) * l.row_stride);
+  l.combine_inbox = take(2 * W * size_t(c.cap) * l.payload_stride);
   l.probe = take(W * kProbeBytes);
   l.data_bytes = off;
   return l;

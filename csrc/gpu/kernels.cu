@@ -494,7 +494,7 @@ struct RowMeta {
 };
 
 template <typename IdxT, int KF>
-RC_DEVICE void dispatch_send(const Env& env, const DispatchArgs& a, DispatchShared& sh, uint64_t gen, int b,
+RC_DEVICE void dispatch_sender(const Env& env, const DispatchArgs& a, DispatchShared& sh, uint64_t gen, int b,
                              int nblocks, int vec) {
   const Layout& L = env.layout;
   const int me = env.rank, W = env.world, tid = threadIdx.x, nt = blockDim.x;
@@ -526,7 +526,7 @@ RC_DEVICE void dispatch_send(const Env& env, const DispatchArgs& a, DispatchShar
   block_sync();
   // The header tells each destination how many tokens (hence chunks) and rows to expect.
   if (b == 0 && tid < W) {
-    HeadSlot* head = L.ep_head(env.sig[tid], gen, me);
+    HeadSlot* head = L.dispatch_head(env.sig[tid], gen, me);
     head->ntok = uint32_t(T);
     head->nrows = uint32_t(sh.start[nch][tid]);
     store_release_sys(&head->gen, gen);
@@ -536,7 +536,7 @@ RC_DEVICE void dispatch_send(const Env& env, const DispatchArgs& a, DispatchShar
   // the rows of every lower rank, whose counts come from their headers.
   int64_t self_base = 0;
   const uint32_t lower = (1u << me) - 1;
-  auto head_of = [&](int s) { return L.ep_head(env.sig[me], gen, s); };
+  auto head_of = [&](int s) { return L.dispatch_head(env.sig[me], gen, s); };
   auto add_lower_rows = [&] {  // each count is read by the thread that acquired its header
     if (tid < me) sh.nrows[tid] = int32_t(head_of(tid)->nrows);
     block_sync();
@@ -563,7 +563,7 @@ RC_DEVICE void dispatch_send(const Env& env, const DispatchArgs& a, DispatchShar
       const int batch = int(t_end - t0 < nt ? t_end - t0 : nt);
       auto row_in = [&](uint32_t r, int d) {
         return d == me ? out_x + (self_base + sh.batch_pos[r][d]) * payload
-                       : L.ep_row(env.data[d], gen, me, sh.batch_pos[r][d]);
+                       : L.dispatch_row(env.data[d], gen, me, sh.batch_pos[r][d]);
       };
       auto meta_of = [&](uint32_t r, int d) {
         if (d == me) {
@@ -618,7 +618,7 @@ RC_DEVICE void dispatch_send(const Env& env, const DispatchArgs& a, DispatchShar
   for (int64_t c = b; c < nch; c += nblocks) {
     send_chunk(c, have_base ? all_ranks(env) : peer_ranks(env));
     if (tid < W && tid != me) {  // chunk c to every peer, empty or not
-      ChunkSlot* slot = L.ep_chunk(env.sig[tid], gen, me, c);
+      ChunkSlot* slot = L.dispatch_chunk(env.sig[tid], gen, me, c);
       slot->row_start = uint32_t(sh.start[c][tid]);
       slot->nrows = uint32_t(sh.start[c + 1][tid] - sh.start[c][tid]);
       store_release_sys(&slot->gen, gen);
@@ -637,17 +637,17 @@ RC_DEVICE void dispatch_send(const Env& env, const DispatchArgs& a, DispatchShar
   }
 }
 
-RC_DEVICE void dispatch_recv(const Env& env, const DispatchArgs& a, DispatchShared& sh, uint64_t gen, int j,
+RC_DEVICE void dispatch_receiver(const Env& env, const DispatchArgs& a, DispatchShared& sh, uint64_t gen, int j,
                              int nblocks, int vec) {
   const Layout& L = env.layout;
   const int me = env.rank, W = env.world, tid = threadIdx.x, nt = blockDim.x;
   const int64_t payload = L.hidden * L.elt, K = L.topk, cap = L.cap, nvec = payload / vec;
   char* out_x = static_cast<char*>(a.out_x);
 
-  if (!block_wait_ranks(env, gen, kOpDispatch, all_ranks(env), [&](int s) { return &L.ep_head(env.sig[me], gen, s)->gen; }))
+  if (!block_wait_ranks(env, gen, kOpDispatch, all_ranks(env), [&](int s) { return &L.dispatch_head(env.sig[me], gen, s)->gen; }))
     return;
   if (tid < W) {
-    const HeadSlot* head = L.ep_head(env.sig[me], gen, tid);
+    const HeadSlot* head = L.dispatch_head(env.sig[me], gen, tid);
     sh.ntok[tid] = int32_t(head->ntok);
     sh.nrows[tid] = int32_t(head->nrows);
     sh.nchunks[tid] = tid == me ? 0 : int32_t(ep_num_chunks(head->ntok));  // own rows: written by senders
@@ -676,7 +676,7 @@ RC_DEVICE void dispatch_recv(const Env& env, const DispatchArgs& a, DispatchShar
         int s;
         int64_t c;
         item_to_chunk(item, sh.nchunks, W, &s, &c);
-        const ChunkSlot* slot = L.ep_chunk(env.sig[me], gen, s, c);
+        const ChunkSlot* slot = L.dispatch_chunk(env.sig[me], gen, s, c);
         got = wait_flag(env, &slot->gen, gen, kOpDispatch, s);
         sh.item_src[tid] = s;
         sh.item_row_start[tid] = got ? slot->row_start : 0;
@@ -689,7 +689,7 @@ RC_DEVICE void dispatch_recv(const Env& env, const DispatchArgs& a, DispatchShar
       if (nr == 0) continue;
       const int s = sh.item_src[g];
       const int64_t r0 = sh.item_row_start[g], o0 = sh.offset[s] + r0;
-      auto row = [&](int64_t r) { return L.ep_row(env.data[me], gen, s, r0 + r); };
+      auto row = [&](int64_t r) { return L.dispatch_row(env.data[me], gen, s, r0 + r); };
       with_vector(vec, [&](auto tag) {
         using V = typename decltype(tag)::type;
         block_copy_rows<V>(
@@ -729,9 +729,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Env env, DispatchArg
   __shared__ DispatchShared sh;
   const uint64_t gen = op_generation(env, kOpDispatch);
   if (int(blockIdx.x) < send_blocks)
-    dispatch_send<IdxT, KF>(env, a, sh, gen, blockIdx.x, send_blocks, vec);
+    dispatch_sender<IdxT, KF>(env, a, sh, gen, blockIdx.x, send_blocks, vec);
   else
-    dispatch_recv(env, a, sh, gen, blockIdx.x - send_blocks, gridDim.x - send_blocks, vec);
+    dispatch_receiver(env, a, sh, gen, blockIdx.x - send_blocks, gridDim.x - send_blocks, vec);
   finish_op(env, kOpDispatch, gen);
 }
 
@@ -767,7 +767,7 @@ RC_DEVICE void chunk_rows(const CombineArgs& a, const CombineShared& sh, int64_t
 
 // Rows go back to their source's inbox, a group of (source, chunk) items at a
 // time; each item's flag follows its rows.
-RC_DEVICE void combine_send(const Env& env, const CombineArgs& a, CombineShared& sh, uint64_t gen, int b,
+RC_DEVICE void combine_sender(const Env& env, const CombineArgs& a, CombineShared& sh, uint64_t gen, int b,
                             int nblocks, int vec) {
   const Layout& L = env.layout;
   const int me = env.rank, W = env.world, tid = threadIdx.x;
@@ -799,12 +799,12 @@ RC_DEVICE void combine_send(const Env& env, const CombineArgs& a, CombineShared&
         block_copy_rows<V>(
             sh.item_hi[g] - lo, nvec, [&](uint32_t r) { return y + (lo + r) * payload; },
             [](uint32_t) { return 1u; },
-            [&](uint32_t r, int) { return L.cb_row(env.data[s], gen, me, a.recv_src[lo + r] - int64_t(s) * cap); });
+            [&](uint32_t r, int) { return L.combine_row(env.data[s], gen, me, a.recv_src[lo + r] - int64_t(s) * cap); });
       });
     }
     block_sync();
     if (tid < G && sh.item_src[tid] >= 0)
-      store_release_sys(L.cb_flag(env.sig[sh.item_src[tid]], gen, me, sh.item_chunk[tid]), gen);
+      store_release_sys(L.combine_flag(env.sig[sh.item_src[tid]], gen, me, sh.item_chunk[tid]), gen);
   }
 }
 
@@ -816,7 +816,7 @@ RC_DEVICE void combine_send(const Env& env, const CombineArgs& a, CombineShared&
 static_assert(kMaxGpuWorld * kMaxGroup <= kThreads / 2, "combine waiters must leave the upper half-block free");
 static_assert(kGroupRows <= kMaxGpuChunkTokens, "a group of small chunks must fit CombineShared::own_row");
 template <DType D>
-RC_DEVICE void combine_recv(const Env& env, const CombineArgs& a, CombineShared& sh, uint64_t gen, int j,
+RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineShared& sh, uint64_t gen, int j,
                             int nblocks, int vec) {
   const Layout& L = env.layout;
   const int me = env.rank, W = env.world, tid = threadIdx.x, nt = blockDim.x;
@@ -832,7 +832,7 @@ RC_DEVICE void combine_recv(const Env& env, const CombineArgs& a, CombineShared&
     const int g = tid / W, r = tid - g * W;
     const int64_t c = first + int64_t(g) * nblocks;
     bool ok = true;
-    if (g < G && c < nch && r != me) ok = wait_flag(env, L.cb_flag(env.sig[me], gen, r, c), gen, kOpCombine, r);
+    if (g < G && c < nch && r != me) ok = wait_flag(env, L.combine_flag(env.sig[me], gen, r, c), gen, kOpCombine, r);
     const int q = tid - kThreads / 2;
     if (q >= 0 && q < G && first + int64_t(q) * nblocks < nch)
       chunk_rows(a, sh, L.cap, me, first + int64_t(q) * nblocks, &sh.item_lo[q], &sh.item_hi[q]);
@@ -860,7 +860,7 @@ RC_DEVICE void combine_recv(const Env& env, const CombineArgs& a, CombineShared&
           const uint32_t m = uint32_t(a.send_mask[t]);
 #pragma unroll
           for (int rr = 0; rr < kMaxGpuWorld; ++rr)
-            if (m >> rr & 1u) src.p[rr] = rr == me ? y + own[row] * payload : L.cb_row(env.data[me], gen, rr, t);
+            if (m >> rr & 1u) src.p[rr] = rr == me ? y + own[row] * payload : L.combine_row(env.data[me], gen, rr, t);
           v = i - row * n;
           dst = reinterpret_cast<V*>(out + t * payload) + v;
           return m;
@@ -888,10 +888,10 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs 
   }
   block_sync();
   if (int(blockIdx.x) < send_blocks) {
-    combine_send(env, a, sh, gen, blockIdx.x, send_blocks, vec);
+    combine_sender(env, a, sh, gen, blockIdx.x, send_blocks, vec);
   } else {
     with_dtype(a.dtype, [&](auto d) {
-      combine_recv<decltype(d)::value>(env, a, sh, gen, blockIdx.x - send_blocks, gridDim.x - send_blocks, vec);
+      combine_receiver<decltype(d)::value>(env, a, sh, gen, blockIdx.x - send_blocks, gridDim.x - send_blocks, vec);
     });
   }
   finish_op(env, kOpCombine, gen);
