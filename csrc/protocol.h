@@ -8,11 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#if defined(__CUDACC__) || defined(__HIPCC__)
-#define RC_HD __host__ __device__ inline
-#else
-#define RC_HD inline
-#endif
+#include "qualifiers.h"
 
 namespace rdna4_comm {
 
@@ -38,10 +34,17 @@ RC_HD const char* op_name(int op) {
                              : "p2p_probe";
 }
 
-// A flag word holds the generation of the op that wrote it. Generations grow
-// by one per op on every rank, so a reader waits for `flag >= gen`: a fast
-// peer may already have published gen + 1 into a slot of the same parity
-// only after this rank consumed gen - 1 (see Layout, parity).
+// A flag word holds the generation of the op that wrote it, and a reader of
+// op gen waits until `flag >= gen`. Why that is exact: a slot of parity
+// gen & 1 holds 0 from init, then the generations of that parity its one
+// writer published, so it only grows, and anything below gen is stale (an
+// older op of the same parity, or 0). Nothing above gen can be there before
+// this reader finished op gen: its writer stores gen + 2 only in op gen + 2,
+// which it starts after finishing op gen + 1, and finishing op gen + 1 needs
+// this rank's op gen + 1 flags, which this rank publishes only after it
+// finished op gen (stream order on the GPU, program order on the CPU). So
+// `>=` and `==` accept the same values; `>=` is the test that follows from
+// monotone flags alone.
 //
 // Slots with metadata: the writer stores the metadata with plain stores and
 // then the generation with a system-scope release; the reader acquires the
@@ -109,8 +112,33 @@ RC_HD int64_t allreduce_share(int64_t n, int world, int64_t elt) {
   const int64_t per_vec = 16 / elt;
   return ceil_div(ceil_div(n, world), per_vec) * per_vec;
 }
-// GPU all_reduce grid: one block per this many bytes of a rank's share.
+// Where rank o's share of an n-element chunk lies. One-shot: the whole chunk,
+// which every rank reduces. Two-shot: q = allreduce_share elements from o * q,
+// shorter or empty for the last ranks.
+struct AllReduceShares {
+  int64_t n, q;
+  bool one_shot;
+  RC_HD int64_t begin(int o) const { return one_shot ? 0 : o * q; }
+  RC_HD int64_t size(int o) const {
+    const int64_t s = n - begin(o);
+    return s < 0 ? 0 : (s < q ? s : q);
+  }
+};
+RC_HD AllReduceShares allreduce_shares(int64_t n, int world, int64_t elt, bool one_shot) {
+  return {n, one_shot ? n : allreduce_share(n, world, elt), one_shot};
+}
+
+// all_reduce grid: one block per this many bytes of a rank's share.
 constexpr int64_t kAllReduceBytesPerBlock = int64_t(32) << 10;
+// Element range [*e0, *e1) of piece b when an n-element share is cut into
+// `blocks` pieces of whole 16-byte vectors. Piece b has its own flag slot, so
+// writer and reader must cut a share alike: same function, same block count.
+RC_HD void allreduce_piece(int64_t n, int elt, int b, int blocks, int64_t* e0, int64_t* e1) {
+  const int64_t per_vec = 16 / elt;
+  const int64_t per = ceil_div(ceil_div(n, blocks), per_vec) * per_vec;
+  *e0 = per * b < n ? per * b : n;
+  *e1 = per * (b + 1) < n ? per * (b + 1) : n;
+}
 
 // A kernel that gives up on a peer leaves one 64-bit word in host-mapped
 // memory: bit 63 set, op in bits 56..62, peer in 48..55, generation below.
