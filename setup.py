@@ -62,5 +62,6 @@ setup(
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.9",
     install_requires=["torch>=2.4"],
+    entry_points={"console_scripts": ["rdna4-comm-doctor=rdna4_comm.doctor:main"]},
     zip_safe=False,
 )
