@@ -532,6 +532,16 @@ def gpu_world(requested: Optional[int]) -> Optional[list[int]]:
     return [r % gpus for r in range(size)]
 
 
+def pairs_skipped_reason(gpus: int) -> str:
+    """Why the doctor checks no GPU pair here."""
+    if gpus == 0:
+        return "torch sees no GPU"
+    if not _C.with_gpu:
+        return "rdna4_comm was built without GPU support (see README, 'Building for GPUs')"
+    return ("one GPU: set RDNA4_COMM_ALLOW_SHARED_GPU=1 and pass --world 2 to check the transport with 2 ranks "
+            "sharing it (correctness only; its speed says nothing about peer links)")
+
+
 def exit_code(report: dict) -> int:
     verdict, pairs = report["verdict"], report["pairs"]
     if verdict.get("error") or verdict.get("transport") is None:
@@ -551,12 +561,13 @@ def diagnose(world: Optional[int], size_mib: int, samples: int, timeout_ms: int,
     plat["findings"] += peer_findings(peer)
     rows = max(1, (size_mib << 20) // (4 * ALLREDUCE_COLS))
     pairs = check_pairs(devices, rows, samples, timeout_ms) if devices else []
+    pairs_skipped = None if devices else pairs_skipped_reason(len(gpus))
     size = len(devices) if devices else (world or 2)
     print(f"transport='auto' over {size} {'GPU' if devices else 'CPU'} processes ...", file=sys.stderr, flush=True)
     verdict = run_world(devices, size, auto_transport, (timeout_ms,), VERDICT_TIMEOUT_S)
     verdict.update(world=size, ranks_on=("GPUs " + ",".join(map(str, devices))) if devices else "CPU")
     report = {"software": software(), "gpus": gpus, "peer_access": peer, "links": link_types() if gpus else
-              {"tool": None, "matrix": None}, "pairs": pairs, "platform": plat, "verdict": verdict}
+              {"tool": None, "matrix": None}, "pairs": pairs, "pairs_skipped": pairs_skipped, "platform": plat, "verdict": verdict}
     report["exit_code"] = exit_code(report)
     return report
 
@@ -608,8 +619,9 @@ def render(report: dict) -> str:
             link[i][j] if link and i < len(link) and j < len(link) and link[i][j] else "unknown")
             for j, ok in enumerate(row)] for i, row in enumerate(peer)]
         out += ["  " + line for line in format_table([""] + [f"GPU{j}" for j in range(len(peer))], cells).splitlines()]
-    if report["pairs"]:
-        out += ["", "== GPU pairs (2-rank gpu Communicator: init probe both ways, then a verified all_reduce)"]
+    out += ["", "== GPU pairs (2-rank gpu Communicator: init probe both ways, then a verified all_reduce)"]
+    if report["pairs_skipped"]:
+        out.append(f"  not checked: {report['pairs_skipped']}")
         for p in report["pairs"]:
             name = f"  rank {p['ranks'][0]} (GPU{p['gpus'][0]}) <-> rank {p['ranks'][1]} (GPU{p['gpus'][1]})"
             if p["ok"]:
@@ -643,10 +655,10 @@ def main(argv=None) -> int:
     p.add_argument("--timeout-ms", type=int, default=DEFAULT_TIMEOUT_MS,
                    help=f"bound on every wait for a peer (default {DEFAULT_TIMEOUT_MS})")
     args = p.parse_args(argv)
-    for name in ("world", "size_mib", "samples", "timeout_ms"):
+    for name, least in (("world", 2), ("size_mib", 1), ("samples", 1), ("timeout_ms", 1)):
         value = getattr(args, name)
-        if value is not None and value < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+        if value is not None and value < least:
+            p.error(f"--{name.replace('_', '-')} must be >= {least}")
     try:
         report = diagnose(args.world, args.size_mib, args.samples, args.timeout_ms)
     except Exception as e:  # noqa: BLE001  (the doctor could not run: say why, exit 2)

@@ -227,6 +227,23 @@ def test_parse_link_matrix_of_nvidia_smi_and_rocm_smi():
     assert doctor.parse_link_matrix(ROCM_TOPO, "Link Type") == [[None, "PCIE"], ["PCIE", None]]
     assert doctor.parse_link_matrix(ROCM_TOPO, "no such table") is None
     assert doctor.parse_link_matrix("No devices were found\n") is None
+    one_gpu = "\t\x1b[4mGPU0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m\nGPU0\t X \t0-15\t0\t\tN/A\n"
+    assert doctor.parse_link_matrix(one_gpu) == [[None]]  # nvidia-smi topo -m on one H200
+
+
+def test_gpu_bus_id_and_architecture_from_device_properties(monkeypatch):
+    class Props:  # what torch.cuda.get_device_properties gives for an H200 at 0000:00:06.0
+        name, major, minor, gcnArchName = "NVIDIA H200", 9, 0, "NVIDIA H200"
+        pci_domain_id, pci_bus_id, pci_device_id = 0, 0, 6
+
+    assert doctor.gpu_bus_id(Props) == "0000:00:06.0"
+    monkeypatch.setattr(doctor.torch.version, "hip", None)
+    assert doctor.gpu_architecture(Props) == "sm_90"
+    monkeypatch.setattr(doctor.torch.version, "hip", "6.4.43482")
+    Props.gcnArchName = "gfx1201:sramecc-:xnack-"
+    assert doctor.gpu_architecture(Props) == "gfx1201"
+    del Props.pci_domain_id
+    assert doctor.gpu_bus_id(Props) is None
 
 
 def test_peer_findings():
@@ -259,9 +276,11 @@ def cpu_run(tmp_path_factory):
 def test_cpu_path_text_report(cpu_run):
     code, out, err, _ = cpu_run
     assert code == doctor.EXIT_FALLBACK, out + err
-    sections = ["== software", "== GPUs (0)", "== platform", "== verdict"]
+    sections = ["== software", "== GPUs (0)", "== GPU pairs (2-rank gpu Communicator: init probe both ways, then a "
+                "verified all_reduce)", "== platform", "== verdict"]
     assert [line for line in out.splitlines() if line.startswith("== ")] == sections
     assert "extension GPU support (rdna4_comm._C.with_gpu): no" in out
+    assert "  not checked: torch sees no GPU" in out
     assert "transport='auto' over 2 processes on CPU: cpu" in out
     assert "all_reduce through it: [64, 1024] fp32 over 2 ranks bitwise equal to rdna4_comm.reference.all_reduce" in out
     assert "] iommu: " in out and "] acs: " in out and "] p2pdma: " in out
@@ -271,7 +290,8 @@ def test_cpu_path_text_report(cpu_run):
 
 def test_cpu_path_json_report(cpu_run):
     code, out, _, report = cpu_run
-    assert set(report) == {"software", "gpus", "peer_access", "links", "pairs", "platform", "verdict", "exit_code"}
+    assert set(report) == {"software", "gpus", "peer_access", "links", "pairs", "pairs_skipped", "platform", "verdict",
+                           "exit_code"}
     assert report["exit_code"] == code == doctor.EXIT_FALLBACK
     assert report["software"]["torch"] and report["software"]["extension_gpu_support"] is False
     assert report["gpus"] == report["pairs"] == report["peer_access"] == []
