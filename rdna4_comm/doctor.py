@@ -594,6 +594,10 @@ def verdict_text(report: dict) -> list[str]:
     return lines
 
 
+def indented(table: str) -> list[str]:
+    return ["  " + line.rstrip() for line in table.splitlines()]
+
+
 def render(report: dict) -> str:
     """The report as text, section by section."""
     s = report["software"]
@@ -606,8 +610,7 @@ def render(report: dict) -> str:
         rows = [[f"GPU{g['index']}", g["name"], g["architecture"], mib(g["memory_bytes"]), g["pci_bus_id"] or "?",
                  "?" if g["numa_node"] is None else str(g["numa_node"]),
                  ", ".join(f"BAR{b['bar']} {mib(b['bytes'])}" for b in g["bars"]) or "?"] for g in report["gpus"]]
-        out += ["  " + line for line in format_table(["GPU", "name", "arch", "memory", "PCI bus id", "NUMA", "BARs"],
-                                                      rows).splitlines()]
+        out += indented(format_table(["GPU", "name", "arch", "memory", "PCI bus id", "NUMA", "BARs"], rows))
     else:
         out.append("  none (the CPU transport is checked instead)")
     peer, links = report["peer_access"], report["links"]
@@ -618,19 +621,19 @@ def render(report: dict) -> str:
         cells = [[f"GPU{i}"] + ["-" if ok is None else ("yes" if ok else "NO") + "/" + (
             link[i][j] if link and i < len(link) and j < len(link) and link[i][j] else "unknown")
             for j, ok in enumerate(row)] for i, row in enumerate(peer)]
-        out += ["  " + line for line in format_table([""] + [f"GPU{j}" for j in range(len(peer))], cells).splitlines()]
+        out += indented(format_table([""] + [f"GPU{j}" for j in range(len(peer))], cells))
     out += ["", "== GPU pairs (2-rank gpu Communicator: init probe both ways, then a verified all_reduce)"]
     if report["pairs_skipped"]:
         out.append(f"  not checked: {report['pairs_skipped']}")
-        for p in report["pairs"]:
-            name = f"  rank {p['ranks'][0]} (GPU{p['gpus'][0]}) <-> rank {p['ranks'][1]} (GPU{p['gpus'][1]})"
-            if p["ok"]:
-                out.append(f"{name}: ok; {mib(p['all_reduce_bytes'])} all_reduce bitwise correct, "
-                           f"{p['bandwidth_gbps']:.1f} GB/s per direction (both loaded), "
-                           f"tiny all_reduce {p['latency_us']:.1f} us (p50 of {p['samples']})")
-            else:
-                out.append(f"{name}: FAILED ({p['stage']})")
-                out += ["      " + line for line in p["error"].strip().splitlines()]
+    for p in report["pairs"]:
+        name = f"  rank {p['ranks'][0]} (GPU{p['gpus'][0]}) <-> rank {p['ranks'][1]} (GPU{p['gpus'][1]})"
+        if p["ok"]:
+            out.append(f"{name}: ok; {mib(p['all_reduce_bytes'])} all_reduce bitwise correct, "
+                       f"{p['bandwidth_gbps']:.1f} GB/s per direction (both loaded), "
+                       f"tiny all_reduce {p['latency_us']:.1f} us (p50 of {p['samples']})")
+        else:
+            out.append(f"{name}: FAILED ({p['stage']})")
+            out += ["      " + line for line in p["error"].strip().splitlines()]
     out += ["", "== platform"]
     for f in report["platform"]["findings"]:
         out.append(f"  [{f['severity']}] {f['area']}: {f['what']}")

@@ -252,6 +252,92 @@ def test_peer_findings():
     assert "GPU0->GPU1" in f["what"] and f["severity"] == "warning"
 
 
+# ------------------------------------------------------------------ report
+
+
+def gpu_report(pair_ok=True, transport="gpu", verdict_error=None) -> dict:
+    """A report of the GPU path as diagnose() builds it, on 2 GPUs."""
+    gpu = {"name": "AMD Radeon AI PRO R9700", "architecture": "gfx1201", "memory_bytes": 32 << 30,
+           "numa_node": 0, "root_complex": "pci0000:00", "bars": [{"bar": 0, "bytes": 32 << 30}]}
+    good = {"ok": True, "stage": None, "error": None, "all_reduce_bytes": 64 << 20, "bandwidth_gbps": 24.5,
+            "all_reduce_p50_us": 2739.0, "latency_us": 9.5, "samples": 40}
+    bad = {"ok": False, "stage": "probe", "error": "RuntimeError: Communicator: peer-to-peer probe failed:\n"
+           "rank 0: rank 1 -> rank 0: the probe flag never arrived within 10000 ms"}
+    return {
+        "software": {"rdna4_comm": "0.1.0", "torch": "2.13.0", "cuda": None, "hip": "6.4", "python": "3.11",
+                     "extension_gpu_support": True, "gpus_visible_to_torch": 2, "shared_gpus_allowed": False},
+        "gpus": [dict(gpu, index=i, pci_bus_id=b) for i, b in enumerate((GPU0, GPU1))],
+        "peer_access": [[None, True], [True, None]],
+        "links": {"tool": "rocm-smi --showtopo", "matrix": [[None, "PCIE"], ["PCIE", None]]},
+        "pairs": [{"ranks": [0, 1], "gpus": [0, 1], **(good if pair_ok else bad)}], "pairs_skipped": None,
+        "platform": {"findings": [doctor.finding("iommu", "warning", "the IOMMU translates DMA", doctor.FIX_IOMMU)]},
+        "verdict": {"transport": transport, "reason": "every rank has its own GPU", "all_reduce": "bitwise equal",
+                    "error": verdict_error, "world": 2, "ranks_on": "GPUs 0,1"},
+    }
+
+
+@pytest.mark.parametrize("pair_ok, transport, verdict_error, code", [
+    (True, "gpu", None, doctor.EXIT_P2P_USABLE),
+    (False, "dist", None, doctor.EXIT_FALLBACK),     # auto falls back around the broken pair
+    (True, "cpu", None, doctor.EXIT_FALLBACK),
+    (False, "gpu", None, doctor.EXIT_ERROR),         # auto would use a path that failed its check
+    (False, None, "RuntimeError: probe failed", doctor.EXIT_ERROR),
+])
+def test_exit_code(pair_ok, transport, verdict_error, code):
+    assert doctor.exit_code(gpu_report(pair_ok, transport, verdict_error)) == code
+
+
+def test_render_gpu_report():
+    report = gpu_report(pair_ok=False, transport=None, verdict_error="RuntimeError: probe failed")
+    report["exit_code"] = doctor.exit_code(report)
+    text = doctor.render(report)
+    assert "GPU0  AMD Radeon AI PRO R9700  gfx1201  32 GiB  0000:03:00.0  0     BAR0 32 GiB" in text
+    assert "== peer access (torch.cuda.can_device_access_peer) / link type (rocm-smi --showtopo)" in text
+    assert "GPU0  -         yes/PCIE" in text
+    assert "rank 0 (GPU0) <-> rank 1 (GPU1): FAILED (probe)" in text
+    assert "      rank 0: rank 1 -> rank 0: the probe flag never arrived within 10000 ms" in text
+    assert "  [warning] iommu: the IOMMU translates DMA\n      fix: add iommu=pt" in text
+    assert "transport='auto' over 2 processes on GPUs 0,1: FAILED" in text and text.endswith("(exit 2)")
+    report = gpu_report()
+    report["exit_code"] = doctor.exit_code(report)
+    text = doctor.render(report)
+    assert ("rank 0 (GPU0) <-> rank 1 (GPU1): ok; 64 MiB all_reduce bitwise correct, 24.5 GB/s per direction "
+            "(both loaded), tiny all_reduce 9.5 us (p50 of 40)") in text
+    assert "  reason: every rank has its own GPU" in text and text.endswith("usable (exit 0)")
+
+
+def test_gpu_world_sizes(monkeypatch):
+    monkeypatch.setattr(doctor, "usable_gpus", lambda: 4)
+    monkeypatch.setattr(doctor, "shared_gpus_allowed", lambda: False)
+    assert doctor.gpu_world(None) == [0, 1, 2, 3] and doctor.gpu_world(2) == [0, 1]
+    with pytest.raises(ValueError, match="RDNA4_COMM_ALLOW_SHARED_GPU"):
+        doctor.gpu_world(5)
+    monkeypatch.setattr(doctor, "usable_gpus", lambda: 1)
+    assert doctor.gpu_world(None) is None
+    monkeypatch.setattr(doctor, "shared_gpus_allowed", lambda: True)
+    assert doctor.gpu_world(None) == [0, 0] and doctor.gpu_world(3) == [0, 0, 0]
+    monkeypatch.setattr(doctor, "usable_gpus", lambda: 0)
+    assert doctor.gpu_world(2) is None
+
+
+def test_a_pair_that_cannot_build_the_gpu_transport_is_reported(tmp_path):
+    """check_pair turns a failed Communicator construction into the pair's
+    result, with the exception text, instead of raising (here: the extension
+    has no GPU support, or the process no GPU)."""
+    import torch.distributed as dist
+    from types import SimpleNamespace
+
+    if doctor.gpu_world(None) is not None:
+        pytest.skip("the GPU transport can be built here")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        result = doctor.check_pair(SimpleNamespace(cpu_group=None), 1, 1, 1000)
+    finally:
+        dist.destroy_process_group()
+    assert result["ok"] is False and result["stage"] == "probe"
+    assert result["error"].startswith("RuntimeError: Communicator: transport='gpu' is not possible")
+
+
 # ------------------------------------------------------------------ end to end
 
 
