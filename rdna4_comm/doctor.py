@@ -481,12 +481,13 @@ def auto_transport(ctx: DoctorRank, timeout_ms: int) -> dict:
 def run_world(devices: Optional[Sequence[int]], size: int, task: Callable, args: tuple, timeout: float) -> dict:
     """Rank 0's result of ``task`` on a new world of ``size`` DoctorRanks;
     a world that fails (a rank raised outside the task's own checks, died
-    or hung) gives ``{"error": ...}``."""
+    or hung) gives ``{"error": ...}``. Stdout stays the report's alone."""
     try:
         with ProcessWorld(size, DoctorRank, (devices,)) as world:
-            return world.call(task, {r: args for r in range(size)}, timeout=timeout, on_message=print)[0]
+            return world.call(task, {r: args for r in range(size)}, timeout=timeout,
+                              on_message=lambda m: print(m, file=sys.stderr))[0]
     except WorldFailed as e:
-        return {"error": str(e), "world_failed": True}
+        return {"error": str(e)}
 
 
 def progress(items: list, desc: str) -> Iterable:
@@ -564,7 +565,8 @@ def diagnose(world: Optional[int], size_mib: int, samples: int, timeout_ms: int,
     pairs_skipped = None if devices else pairs_skipped_reason(len(gpus))
     size = len(devices) if devices else (world or 2)
     print(f"transport='auto' over {size} {'GPU' if devices else 'CPU'} processes ...", file=sys.stderr, flush=True)
-    verdict = run_world(devices, size, auto_transport, (timeout_ms,), VERDICT_TIMEOUT_S)
+    verdict = {"transport": None, "reason": None, "all_reduce": None,
+               **run_world(devices, size, auto_transport, (timeout_ms,), VERDICT_TIMEOUT_S)}
     verdict.update(world=size, ranks_on=("GPUs " + ",".join(map(str, devices))) if devices else "CPU")
     report = {"software": software(), "gpus": gpus, "peer_access": peer, "links": link_types() if gpus else
               {"tool": None, "matrix": None}, "pairs": pairs, "pairs_skipped": pairs_skipped, "platform": plat, "verdict": verdict}
