@@ -63,7 +63,7 @@ ACS_REDIRECTING = ("SrcValid", "ReqRedir", "CmpltRedir", "UpstreamFwd", "EgressC
 FIX_IOMMU = ("add iommu=pt to the kernel command line (GRUB_CMDLINE_LINUX in /etc/default/grub, then "
              "update-grub or grub2-mkconfig, reboot); or turn the IOMMU off in the BIOS (AMD: IOMMU, Intel: VT-d)")
 FIX_ACS = ("disable ACS in the BIOS (often 'ACS Enable' or 'PCIe ACS' under the chipset/PCIe settings); or at "
-           "every boot clear it on each listed bridge: setpci -s <bridge> ECAP_ACS+0x6.w=0000 (as root); "
+           "every boot clear it on each listed device: setpci -s <device> ECAP_ACS+0x6.w=0000 (as root); "
            "kernels carrying the ACS override patch also take pci=noacs / pcie_acs_override=downstream,multifunction")
 FIX_BAR = ("enable 'Above 4G Decoding' and 'Resizable BAR' (Re-Size BAR Support) in the BIOS, and disable CSM, "
            "so the GPU's memory BAR covers all of its memory")
@@ -173,15 +173,15 @@ def parse_lspci(text: str) -> list[dict]:
 
 
 def acs_findings(devices: Optional[list[dict]]) -> list[dict]:
-    """ACS as parsed by :func:`parse_lspci` (None: lspci is not installed)."""
+    """ACS as parsed by :func:`parse_lspci` (None: no lspci output)."""
     if devices is None:
-        return [finding("acs", "info", "ACS unknown: lspci is not installed (pciutils)")]
+        return [finding("acs", "info", "ACS unknown: lspci is not installed (pciutils) or failed")]
     redirecting = [(d, [c for c in ACS_REDIRECTING if d["acs_ctl"].get(c)]) for d in devices if d["acs_ctl"]]
     redirecting = [(d, on) for d, on in redirecting if on]
     if redirecting:
         listed = "; ".join(f"{d['bdf']} ({d['description'][:60]}): {'+ '.join(on)}+" for d, on in redirecting)
         return [finding("acs", "warning",
-                        f"ACS redirects peer requests upstream on {len(redirecting)} bridge(s): {listed}", FIX_ACS)]
+                        f"ACS redirects peer requests upstream on {len(redirecting)} device(s): {listed}", FIX_ACS)]
     if any(d["access_denied"] for d in devices) and not any(d["acs_ctl"] for d in devices):
         return [finding("acs", "info", "ACS unknown: lspci read no capabilities (run the doctor as root)")]
     with_acs = sum(1 for d in devices if d["acs_ctl"])
@@ -558,7 +558,7 @@ def diagnose(world: Optional[int], size_mib: int, samples: int, timeout_ms: int,
     gpus = inventory_gpus(sys_root)
     devices = gpu_world(world)
     peer = peer_access_matrix(len(gpus)) if gpus else []
-    plat = platform_report(sys_root, proc_root, gpus, run_tool(["lspci", "-vvv"]) if shutil.which("lspci") else None)
+    plat = platform_report(sys_root, proc_root, gpus, run_tool(["lspci", "-vvv"]))
     plat["findings"] += peer_findings(peer)
     rows = max(1, (size_mib << 20) // (4 * ALLREDUCE_COLS))
     pairs = check_pairs(devices, rows, samples, timeout_ms) if devices else []
