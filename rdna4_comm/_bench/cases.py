@@ -7,7 +7,7 @@ before it is timed. Inputs come from :func:`~rdna4_comm._bench.checks.pattern`.
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,26 @@ def record(op: str, tokens: int, hidden: int, dtype: torch.dtype, ops: list[Op],
 # -------------------------------------------------------------- all_reduce
 
 
+def allreduce_case(rank: int, world: int, tokens: int, hidden: int, device) -> tuple[torch.Tensor, Callable]:
+    """Rank ``rank``'s [tokens, hidden] fp32 all_reduce input on ``device`` and
+    the check of a result: bitwise equal to rdna4_comm.reference.all_reduce of
+    every rank's input."""
+    xs = [pattern(r, tokens, hidden, torch.float32, device, bits=ALLREDUCE_BITS) for r in range(world)]
+    x, expected = xs[rank], reference.all_reduce(xs)
+    del xs
+    what = f"all_reduce [{tokens}, {hidden}] fp32"
+
+    def check(out):
+        assert_same(out, expected, f"{what} vs rdna4_comm.reference.all_reduce")
+
+    return x, check
+
+
+def rdna4_allreduce_op(comm: Communicator, x: torch.Tensor, check: Callable) -> Op:
+    """rdna4_comm's all_reduce of ``x`` (out of place), checked by ``check``."""
+    return Op("rdna4_comm", lambda: comm.all_reduce(x), check, detail="rdna4_comm.all_reduce, out of place")
+
+
 def allreduce_ops(ctx: BenchRank, comm: Communicator, tokens: int, hidden: int,
                   symm: Optional["SymmMemOneShot"] = None) -> list[Op]:
     """fp32 sum of a [tokens, hidden] tensor over the ranks: rdna4_comm
@@ -58,17 +78,8 @@ def allreduce_ops(ctx: BenchRank, comm: Communicator, tokens: int, hidden: int,
     torch.distributed.all_reduce (in place: no copy) and, if given, torch's
     symmetric-memory one-shot all_reduce (reading a buffer that already holds
     the input: no copy). The baselines get their cheapest form."""
-    dev = ctx.device
-    xs = [pattern(r, tokens, hidden, torch.float32, dev, bits=ALLREDUCE_BITS) for r in range(ctx.world)]
-    x, expected = xs[ctx.rank], reference.all_reduce(xs)
-    del xs
-    what = f"all_reduce [{tokens}, {hidden}] fp32"
-
-    def check(out):
-        assert_same(out, expected, f"{what} vs rdna4_comm.reference.all_reduce")
-
-    ops = [Op("rdna4_comm", lambda: comm.all_reduce(x), check,
-              detail="rdna4_comm.all_reduce, out of place")]
+    x, check = allreduce_case(ctx.rank, ctx.world, tokens, hidden, ctx.device)
+    ops = [rdna4_allreduce_op(comm, x, check)]
     inplace = torch.empty_like(x)
 
     def torch_all_reduce():
