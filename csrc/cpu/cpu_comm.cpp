@@ -407,11 +407,20 @@ class CpuComm final : public Comm {
     if (load_acquire(flag) >= gen) return;
     const auto start = Clock::now();
     const auto limit = std::chrono::milliseconds(cfg_.timeout_ms);
+    auto next_liveness_check = start + std::chrono::milliseconds(kLivenessPeriodMs);
     while (load_acquire(flag) < gen) {
-      const auto waited = Clock::now() - start;
+      const auto now = Clock::now();
+      const auto waited = now - start;
       if (waited > limit) {
         failure_ = timeout_message(op, peer, gen);
         TORCH_CHECK(false, failure_);
+      }
+      if (now >= next_liveness_check) {
+        next_liveness_check = now + std::chrono::milliseconds(kLivenessPeriodMs);
+        if (const int gone = exited_peer(); gone >= 0) {
+          failure_ = exit_message(gone);
+          TORCH_CHECK(false, failure_);
+        }
       }
       if (waited < std::chrono::milliseconds(2))
         sched_yield();
