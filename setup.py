@@ -64,5 +64,9 @@ setup(
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.9",
     install_requires=["torch>=2.4"],
+    # rdna4_comm.integrations.transformers, tested with transformers 5.18.0 and
+    # 5.24.0: 5.18 is the first whose experts modules skip the id num_experts
+    # (experts of other ranks) in their eager and grouped_mm forwards.
+    extras_require={"transformers": ["transformers>=5.18"]},
     zip_safe=False,
 )

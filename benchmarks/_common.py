@@ -1,6 +1,6 @@
-"""What bench_allreduce.py and bench_ep.py share: the command line, the world
-they run in, the JSONL results file (header first, never overwritten), the
-progress bar, the summary table and the speedup heatmap.
+"""What bench_allreduce.py and bench_ep.py share: the command line, the JSONL
+results file (header first, never overwritten) and the progress bar. The
+world, the timing and the reports are rdna4_comm._bench's.
 
 Results file: one JSON object per line. The first is the header (``"type":
 "header"``: versions, device, world size, transport, timestamp, command
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shlex
 import subprocess
 import sys
@@ -22,7 +21,9 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-from rdna4_comm import _timing
+from rdna4_comm._bench.report import save_heatmap, speedup, summary
+from rdna4_comm._bench.world import describe, launch, resolve_world
+from rdna4_comm._launch import WorldFailed
 
 ROUNDS_SAMPLES = {  # (rounds, samples) unless given
     "gpu": (10, 50),
@@ -100,7 +101,7 @@ def _git_commit() -> str | None:
 
 
 def _worker(ctx, bench_worker, configs, rounds, samples) -> None:
-    ctx.emit({"info": _timing.describe(ctx)})
+    ctx.emit({"info": describe(ctx)})
     bench_worker(ctx, configs, rounds, samples)
 
 
@@ -114,13 +115,13 @@ def main(name: str, description: str, full, quick, bench_worker, argv=None) -> i
 def run(name: str, args: argparse.Namespace, configs: list[tuple[int, int]], bench_worker) -> int:
     """Run ``bench_worker(ctx, configs, rounds, samples)`` in a world chosen by
     ``args`` and record what it emits: rank 0 emits one record per
-    configuration (see rdna4_comm._cases.record) and notes. Returns the exit
+    configuration (see rdna4_comm._bench.cases.record) and notes. Returns the exit
     status: 0, or 1 if the world failed (a check included)."""
     if not configs:
         print(f"{name}: no configuration left after --tokens/--hidden", file=sys.stderr)
         return 2
     try:
-        transport, world = _timing.resolve_world(args.transport, args.world)
+        transport, world = resolve_world(args.transport, args.world)
     except ValueError as e:
         print(f"{name}: {e}", file=sys.stderr)
         return 2
@@ -159,10 +160,10 @@ def run(name: str, args: argparse.Namespace, configs: list[tuple[int, int]], ben
                 bar.update(1)
 
         try:
-            _timing.launch(_worker, (bench_worker, configs, rounds, samples),
+            launch(_worker, (bench_worker, configs, rounds, samples),
                            transport=transport, world=world, on_message=on_message)
             failure = None
-        except _timing.WorldFailed as e:
+        except WorldFailed as e:
             failure = e
         finally:
             bar.close()
@@ -176,85 +177,7 @@ def run(name: str, args: argparse.Namespace, configs: list[tuple[int, int]], ben
 
 def _rows(rec: dict) -> list[dict]:
     """The result lines of one configuration record."""
-    ours = rec["stats"]["rdna4_comm"].p50_us
     shape = {k: rec[k] for k in ("op", "tokens", "hidden", "dtype", "bytes")}
-    return [{"type": "result", **shape, "backend": b, "detail": rec["details"][b], **asdict(s), "ratio": s.p50_us / ours}
+    return [{"type": "result", **shape, "backend": b, "detail": rec["details"][b], **asdict(s),
+             "ratio": speedup(rec["stats"], b)}
             for b, s in rec["stats"].items()]
-
-
-def speedups(records: list[dict]) -> dict[str, list[float]]:
-    """Per baseline, rdna4_comm's speedup over it in every configuration it ran."""
-    out: dict[str, list[float]] = {}
-    for rec in records:
-        ours = rec["stats"]["rdna4_comm"].p50_us
-        for b, s in rec["stats"].items():
-            if b != "rdna4_comm":
-                out.setdefault(b, []).append(s.p50_us / ours)
-    return out
-
-
-def summary(records: list[dict]) -> str:
-    """The comparison table, what each backend timed, and per baseline the
-    geometric-mean and the minimum speedup of rdna4_comm."""
-    lines = [_timing.comparison_table(records), ""]
-    details: dict[str, str] = {}
-    for rec in records:
-        details.update(rec["details"])
-    lines += [f"{b}: {d}" for b, d in details.items()]
-    for b, ratios in speedups(records).items():
-        geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-        worst = min(range(len(ratios)), key=ratios.__getitem__)
-        rec = [r for r in records if b in r["stats"]][worst]
-        lines.append(f"speedup of rdna4_comm over {b}: geomean {geomean:.2f}x, min {ratios[worst]:.2f}x "
-                     f"(tokens {rec['tokens']}, hidden {rec['hidden']}), over {len(ratios)} configurations")
-    return "\n".join(lines)
-
-
-def save_heatmap(records: list[dict], path: Path, title: str) -> None:
-    """A PNG of rdna4_comm's speedup over each baseline on the hidden x tokens
-    grid (green: rdna4_comm faster), or a note where matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.colors import LogNorm
-        from matplotlib.ticker import FuncFormatter, NullFormatter
-    except ImportError:
-        print(f"note: matplotlib is not installed; no heatmap (pip install matplotlib for {path.name})")
-        return
-    import numpy as np
-
-    ratios = speedups(records)
-    if not ratios:
-        return
-    hiddens = sorted({r["hidden"] for r in records})
-    tokens = sorted({r["tokens"] for r in records})
-    spread = max(1.25, *(max(r, 1 / r) for v in ratios.values() for r in v))
-    panel_w = max(4.0, 1.8 + 0.9 * len(hiddens))
-    fig, axes = plt.subplots(1, len(ratios), figsize=(panel_w * len(ratios), 1.8 + 0.45 * len(tokens)), squeeze=False)
-    for ax, baseline in zip(axes[0], ratios):
-        grid = np.full((len(tokens), len(hiddens)), np.nan)
-        for rec in records:
-            if baseline in rec["stats"]:
-                value = rec["stats"][baseline].p50_us / rec["stats"]["rdna4_comm"].p50_us
-                grid[tokens.index(rec["tokens"]), hiddens.index(rec["hidden"])] = value
-        image = ax.imshow(np.ma.masked_invalid(grid), cmap="RdYlGn", norm=LogNorm(1 / spread, spread),
-                          aspect="auto", origin="lower")
-        for (i, j), v in np.ndenumerate(grid):
-            if not np.isnan(v):
-                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
-        ax.set_xticks(range(len(hiddens)), [str(h) for h in hiddens])
-        ax.set_yticks(range(len(tokens)), [str(t) for t in tokens])
-        ax.set_xlabel("hidden")
-        ax.set_ylabel("tokens per rank")
-        ax.set_title(f"vs {baseline}", fontsize=10)
-        bar = fig.colorbar(image, ax=ax, label="speedup (baseline p50 / rdna4_comm p50)")
-        bar.set_ticks([spread ** (k / 2) for k in range(-2, 3)])  # symmetric about 1 on the log scale
-        bar.ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.2g}"))
-        bar.ax.yaxis.set_minor_formatter(NullFormatter())
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    print(f"heatmap: {path}")

@@ -3,10 +3,10 @@
 on GPUs, gloo on CPU processes) and, on GPUs where torch has it, torch's
 symmetric-memory one-shot all_reduce (torch.ops.symm_mem.one_shot_all_reduce).
 
-Sweep (DESIGN.md section 9): tokens {1, 8, 32, 128, 512, 2048} x hidden {2048,
-4096, 8192}, plus 4096 and 8192 tokens where the tensor stays within 64 MiB
-(the grid's largest cell, 2048 x 8192 fp32, is already 64 MiB). Every result
-is checked bitwise against rdna4_comm.reference before it is timed; see
+Sweep: tokens {1, 8, 32, 128, 512, 2048} x hidden {2048, 4096, 8192}, plus
+4096 and 8192 tokens where the tensor stays within 64 MiB (the grid's largest
+cell, 2048 x 8192 fp32, is already 64 MiB). Every result is checked bitwise
+against rdna4_comm.reference before it is timed; see
 benchmarks/_common.py for the results file.
 
     python benchmarks/bench_allreduce.py                  # every GPU, or 2 CPU processes
@@ -19,8 +19,8 @@ import _common
 import torch
 
 from rdna4_comm import Communicator
-from rdna4_comm._cases import SymmMemOneShot, allreduce_ops, record
-from rdna4_comm._timing import measure
+from rdna4_comm._bench.cases import SymmMemOneShot, allreduce_ops, record
+from rdna4_comm._bench.timing import measure
 
 TOKENS = (1, 8, 32, 128, 512, 2048)
 HIDDEN = (2048, 4096, 8192)

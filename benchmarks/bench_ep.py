@@ -4,14 +4,14 @@ the vLLM allgather_reducescatter path in torch.distributed (all_gather of the
 hidden states and the routing, reduce_scatter of the [W*T, H] result; NCCL/RCCL
 on GPUs, gloo on CPU processes).
 
-Sweep (DESIGN.md section 9): hidden {2048, 3072, 4096, 5120, 7168, 8192} x
-tokens per rank {8, 32, 64, 128, 256, 512, 1024, 4096, 8192, 16384}; top-8 of
-256 experts, distinct and uniform per token; bf16; fp32 routing weights;
-capacity = tokens (one communicator per configuration). No expert step is
-timed: combine gets the dispatched rows unchanged, and the baseline
-reduce-scatters the gathered hidden states. Both are checked before timing
-(rdna4_comm against rdna4_comm.reference; see rdna4_comm._cases.ep_ops). See
-benchmarks/_common.py for the results file.
+Sweep: hidden {2048, 3072, 4096, 5120, 7168, 8192} x tokens per rank {8, 32,
+64, 128, 256, 512, 1024, 4096, 8192, 16384}; top-8 of 256 experts, distinct
+and uniform per token; bf16; fp32 routing weights; capacity = tokens (one
+communicator per configuration). No expert step is timed: combine gets the
+dispatched rows unchanged, and the baseline reduce-scatters the gathered hidden
+states. Both are checked before timing (rdna4_comm against
+rdna4_comm.reference; see rdna4_comm._bench.cases.ep_ops).
+See benchmarks/_common.py for the results file.
 
     python benchmarks/bench_ep.py                  # every GPU, or 2 CPU processes
     python benchmarks/bench_ep.py --quick --transport cpu
@@ -23,8 +23,8 @@ import _common
 import torch
 
 from rdna4_comm import Communicator
-from rdna4_comm._cases import EP_EXPERTS, EP_TOPK, ep_ops, record
-from rdna4_comm._timing import measure
+from rdna4_comm._bench.cases import EP_EXPERTS, EP_TOPK, ep_ops, record
+from rdna4_comm._bench.timing import measure
 
 HIDDEN = (2048, 3072, 4096, 5120, 7168, 8192)
 TOKENS = (8, 32, 64, 128, 256, 512, 1024, 4096, 8192, 16384)

@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <cstdio>
+#include <cstring>
 #include <mutex>
 #include <sstream>
 #include <unordered_map>
@@ -62,28 +64,84 @@ void check_ep(const CommConfig& c, const char* op) {
 
 }  // namespace
 
-HeapConfig CommConfig::heap_config() const {
-  HeapConfig h;
-  h.world = world;
-  h.cap = cap;
-  h.hidden = hidden;
-  h.topk = topk;
-  h.num_experts = num_experts;
-  h.elt = has_ep() ? int64_t(c10::elementSize(dtype)) : 0;
-  h.ar_slot_bytes = ar_slot_bytes;
-  return h;
+namespace {
+// The EP element size follows the payload dtype (no EP: no EP buffers).
+CommConfig with_element_size(CommConfig c) {
+  c.elt = c.has_ep() ? int64_t(c10::elementSize(c.dtype)) : 0;
+  return c;
 }
 
-Comm::Comm(CommConfig cfg) : cfg_(std::move(cfg)), layout_(make_layout(cfg_.heap_config())) {}
+// State (field 3) and start time (field 22) from /proc/<pid>/stat; false when
+// the process is not visible. Fields are counted after the ")" that ends the
+// command name, which may itself hold spaces and parentheses.
+bool read_proc_stat(int pid, char* state, uint64_t* start_time) {
+  char path[64], buf[1024];
+  std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+  FILE* f = std::fopen(path, "r");
+  if (!f) return false;
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[n] = 0;
+  const char* p = std::strrchr(buf, ')');
+  if (!p) return false;
+  unsigned long long start = 0;
+  // After ")": state ppid pgrp session tty tpgid flags minflt cminflt majflt
+  // cmajflt utime stime cutime cstime priority nice threads itrealvalue starttime
+  if (std::sscanf(p + 1, " %c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d %*d %*d %llu",
+                  state, &start) != 2)
+    return false;
+  *start_time = start;
+  return true;
+}
+}  // namespace
+
+uint64_t process_start_time(int pid) {
+  char state = 0;
+  uint64_t start = 0;
+  return read_proc_stat(pid, &state, &start) ? start : 0;
+}
+
+bool process_alive(const PeerProcess& p) {
+  char state = 0;
+  uint64_t start = 0;
+  // Gone, reused by another process, or a zombie waiting to be reaped.
+  return read_proc_stat(p.pid, &state, &start) && start == p.start_time && state != 'Z' && state != 'X';
+}
+
+void Comm::watch_peers(const std::vector<PeerProcess>& peers) {
+  watched_.clear();
+  for (const auto& p : peers)
+    if (p.rank != cfg_.rank && p.start_time != 0 && process_alive(p)) watched_.push_back(p);
+}
+
+int Comm::exited_peer() const {
+  for (const auto& p : watched_)
+    if (!process_alive(p)) return p.rank;
+  return -1;
+}
+
+std::string Comm::exit_message(int peer) const {
+  int pid = 0;
+  for (const auto& p : watched_)
+    if (p.rank == peer) pid = p.pid;
+  std::ostringstream s;
+  s << "rdna4_comm: rank " << peer << " (pid " << pid << ") of communicator '" << cfg_.id
+    << "' exited; rank " << cfg_.rank
+    << " stopped waiting for it. The communicator is unusable now: close it and create a new one.";
+  return s.str();
+}
+
+Comm::Comm(CommConfig cfg) : cfg_(with_element_size(std::move(cfg))), layout_(make_layout(cfg_)) {}
 
 std::string Comm::timeout_message(int op, int peer, uint64_t gen) const {
   std::ostringstream s;
   s << "rdna4_comm: " << op_name(op) << " on rank " << cfg_.rank << " of communicator '" << cfg_.id
     << "' timed out after " << cfg_.timeout_ms << " ms waiting for rank " << peer
     << " (generation " << gen
-    << "). The peer never made the matching call, died, or its writes do not reach this GPU. "
-       "The communicator is unusable now: close it and create a new one "
-       "(RDNA4_COMM_TIMEOUT_MS sets the bound).";
+    << "). The peer never made the matching call or died"
+    << (cfg_.transport == "gpu" ? ", or its peer-to-peer writes do not reach this GPU" : "")
+    << ". The communicator is unusable now: close it and create a new one "
+       "(timeout_ms or RDNA4_COMM_TIMEOUT_MS sets the bound).";
   return s.str();
 }
 
@@ -130,27 +188,45 @@ Dispatched Comm::dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
   check_ep(cfg_, op);
   const auto dev = device();
   check_device(op, "x", x, dev);
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == cfg_.hidden && x.size(0) <= cfg_.cap, op,
-                    ": x must have shape [T, ", cfg_.hidden, "] with 0 <= T <= ", cfg_.cap,
-                    " (max_tokens_per_rank), got ", shape_str(x));
+  // Leading dimensions are tokens: [..., H] holds T = numel / H of them.
+  TORCH_CHECK_VALUE(x.dim() >= 2 && x.size(-1) == cfg_.hidden, op, ": x must have shape [..., ", cfg_.hidden,
+                    "] (tokens, hidden) with at most ", cfg_.cap, " tokens (max_tokens_per_rank), got ",
+                    shape_str(x));
+  const int64_t T = x.numel() / cfg_.hidden;
+  TORCH_CHECK_VALUE(T <= cfg_.cap, op, ": x must have shape [..., ", cfg_.hidden, "] with at most ", cfg_.cap,
+                    " tokens (max_tokens_per_rank), got ", shape_str(x), " = ", T, " tokens");
   check_dtype(op, "x", x, cfg_.dtype);
   check_contiguous(op, "x", x);
-  const int64_t T = x.size(0);
-  check_device(op, "topk_idx", topk_idx, dev);
+  // Routing has x's leading dimensions, or is flat: [T, K].
+  std::vector<int64_t> routing_shape(x.sizes().begin(), x.sizes().end() - 1);
+  routing_shape.push_back(cfg_.topk);
+  auto check_routing = [&](const char* arg, const at::Tensor& t) {
+    check_device(op, arg, t, dev);
+    const bool flat = t.dim() == 2 && t.size(0) == T && t.size(1) == cfg_.topk;
+    TORCH_CHECK_VALUE(flat || t.sizes() == at::IntArrayRef(routing_shape), op, ": ", arg,
+                      " must have shape ", at::IntArrayRef(routing_shape), " (x's tokens, topk) or [", T, ", ",
+                      cfg_.topk, "], got ", shape_str(t));
+    check_contiguous(op, arg, t);
+  };
   TORCH_CHECK_TYPE(topk_idx.scalar_type() == at::kInt || topk_idx.scalar_type() == at::kLong, op,
-                   ": topk_idx must be torch.int32 or torch.int64, got ",
-                   dtype_name(topk_idx.scalar_type()));
-  check_shape(op, "topk_idx", topk_idx, {T, cfg_.topk}, "[T, topk]");
-  check_contiguous(op, "topk_idx", topk_idx);
+                   ": topk_idx must be torch.int32 or torch.int64, got ", dtype_name(topk_idx.scalar_type()));
+  check_routing("topk_idx", topk_idx);
+  c10::optional<at::Tensor> weights32;
   if (topk_weights.has_value()) {
-    const auto& w = *topk_weights;
-    check_device(op, "topk_weights", w, dev);
-    check_dtype(op, "topk_weights", w, at::kFloat);
-    check_shape(op, "topk_weights", w, {T, cfg_.topk}, "[T, topk]");
-    check_contiguous(op, "topk_weights", w);
+    const auto wt = topk_weights->scalar_type();
+    TORCH_CHECK_TYPE(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kHalf, op,
+                     ": topk_weights must be torch.float32, torch.bfloat16 or torch.float16, got ",
+                     dtype_name(wt));
+    check_routing("topk_weights", *topk_weights);
+    // The transports carry fp32 weights; bf16/fp16 convert exactly both ways.
+    weights32 = topk_weights->reshape({T, cfg_.topk}).to(at::kFloat);
   }
   Dispatched out = allocate_dispatched(T, topk_weights.has_value());
-  dispatch_impl(x, topk_idx, topk_weights, out);
+  dispatch_impl(x.view({T, cfg_.hidden}), topk_idx.view({T, cfg_.topk}), weights32, out);
+  // Received routing comes back in the dtypes it was given in.
+  if (topk_idx.scalar_type() != at::kInt) out.topk_idx = out.topk_idx.to(topk_idx.scalar_type());
+  if (topk_weights.has_value() && topk_weights->scalar_type() != at::kFloat)
+    out.topk_weights = out.topk_weights.to(topk_weights->scalar_type());
   return out;
 }
 

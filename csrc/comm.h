@@ -14,24 +14,38 @@
 
 namespace rdna4_comm {
 
-struct CommConfig {
+// Everything a communicator is made of: the heap's sizes (HeapConfig, what
+// the layout derives from) and the rest. Bound to Python once (_C.CommConfig)
+// and filled in by Communicator.__init__, which validates it; the C++ side
+// validates the ops' arguments.
+struct CommConfig : HeapConfig {
   std::string id;
   std::string transport;  // "cpu" or "gpu"
   int rank = 0;
-  int world = 1;
-  int64_t cap = 0;  // 0: the communicator serves all_reduce only
-  int64_t hidden = 0;
-  int64_t topk = 0;
-  int64_t num_experts = 0;
-  at::ScalarType dtype = at::kBFloat16;
-  int64_t ar_slot_bytes = 0;
-  int64_t timeout_ms = 10000;
+  at::ScalarType dtype = at::kBFloat16;  // EP payload; `elt` follows it
+  int64_t timeout_ms = 0;
   int device_index = -1;  // GPU transport: the CUDA/HIP device of this rank
 
   bool has_ep() const { return cap > 0; }
   int64_t experts_per_rank() const { return num_experts / world; }
-  HeapConfig heap_config() const;
 };
+
+// How often a waiting rank looks whether a watched peer's process exited.
+constexpr int kLivenessPeriodMs = 50;
+
+// A peer's process on this host, as this process sees it in /proc.
+struct PeerProcess {
+  int rank = -1;
+  int pid = 0;
+  uint64_t start_time = 0;  // /proc/<pid>/stat field 22: tells a reused pid apart
+};
+
+// Start time of process `pid` (clock ticks since boot), or 0 when this
+// process cannot see it (it exited, or lives in another pid namespace).
+uint64_t process_start_time(int pid);
+// Whether the process is still the one seen at start_time (not gone, not
+// replaced by a reused pid, not a zombie).
+bool process_alive(const PeerProcess& p);
 
 // Outputs of dispatch, in schema order.
 struct Dispatched {
@@ -66,6 +80,11 @@ class Comm {
   // Raises if an earlier op failed (e.g. timed out); ops call it on entry.
   virtual void check() = 0;
 
+  // Peers whose process this process can see (same host and pid namespace),
+  // so a wait gives up as soon as one of them exits, long before the timeout.
+  // Peers it cannot see are bounded by the timeout alone.
+  virtual void watch_peers(const std::vector<PeerProcess>& peers);
+
   at::Tensor all_reduce(const at::Tensor& x);
   Dispatched dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
                       const c10::optional<at::Tensor>& topk_weights);
@@ -83,9 +102,13 @@ class Comm {
                             at::Tensor& out) = 0;
 
   std::string timeout_message(int op, int peer, uint64_t gen) const;
+  // The rank of a watched peer whose process has exited, or -1.
+  int exited_peer() const;
+  std::string exit_message(int peer) const;
 
   CommConfig cfg_;
   Layout layout_;
+  std::vector<PeerProcess> watched_;
 
  private:
   Dispatched allocate_dispatched(int64_t ntok, bool with_weights) const;

@@ -9,44 +9,47 @@
 namespace rdna4_comm {
 namespace {
 
-at::Tensor all_reduce_op(const at::Tensor& x, c10::string_view comm) {
-  return find_comm(std::string(comm))->all_reduce(x);
+// `order` is the process's ordering token for the op's device. Every
+// collective declares that it writes it (and none reads it), so compilers
+// never drop a collective whose result is unused and never reorder two of
+// them: the token's writes are a chain in program order.
+void check_order_token(const char* op, const at::Tensor& order, const at::Device& dev) {
+  TORCH_CHECK_VALUE(order.device() == dev && order.dim() == 1 && order.numel() == 1, op,
+                    ": order must be the ordering token of the communicator's device (", dev,
+                    "; rdna4_comm.ops.order_token), got a tensor of shape ", order.sizes(), " on ",
+                    order.device());
+}
+
+at::Tensor all_reduce_op(const at::Tensor& x, at::Tensor& order, c10::string_view comm) {
+  auto c = find_comm(std::string(comm));
+  check_order_token("all_reduce", order, c->device());
+  return c->all_reduce(x);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 dispatch_op(const at::Tensor& x, const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights,
-            c10::string_view comm) {
-  Dispatched d = find_comm(std::string(comm))->dispatch(x, topk_idx, topk_weights);
+            at::Tensor& order, c10::string_view comm) {
+  auto c = find_comm(std::string(comm));
+  check_order_token("dispatch", order, c->device());
+  Dispatched d = c->dispatch(x, topk_idx, topk_weights);
   return {d.x, d.topk_idx, d.topk_weights, d.counts, d.recv_src, d.src_tokens, d.send_mask};
 }
 
 at::Tensor combine_op(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
-                      const at::Tensor& src_tokens, const at::Tensor& send_mask, c10::string_view comm) {
-  return find_comm(std::string(comm))->combine(y, recv_src, counts, src_tokens, send_mask);
+                      const at::Tensor& src_tokens, const at::Tensor& send_mask, at::Tensor& order,
+                      c10::string_view comm) {
+  auto c = find_comm(std::string(comm));
+  check_order_token("combine", order, c->device());
+  return c->combine(y, recv_src, counts, src_tokens, send_mask);
 }
 
-py::bytes create(const std::string& id, const std::string& transport, int rank, int world, int64_t cap,
-                   int64_t hidden, int64_t topk, int64_t num_experts, at::ScalarType dtype,
-                   int64_t ar_slot_bytes, int64_t timeout_ms, int device_index) {
-  CommConfig c;
-  c.id = id;
-  c.transport = transport;
-  c.rank = rank;
-  c.world = world;
-  c.cap = cap;
-  c.hidden = hidden;
-  c.topk = topk;
-  c.num_experts = num_experts;
-  c.dtype = dtype;
-  c.ar_slot_bytes = ar_slot_bytes;
-  c.timeout_ms = timeout_ms;
-  c.device_index = device_index;
+py::bytes create(const CommConfig& c) {
   std::shared_ptr<Comm> comm;
-  if (transport == "cpu") {
-    comm = make_cpu_comm(std::move(c));
+  if (c.transport == "cpu") {
+    comm = make_cpu_comm(c);
   } else {
 #ifdef RDNA4_COMM_WITH_GPU
-    comm = make_gpu_comm(std::move(c));
+    comm = make_gpu_comm(c);
 #else
     TORCH_CHECK(false, "rdna4_comm was built without GPU support (torch had no CUDA/ROCm when it "
                        "was built); use transport=\"cpu\" or rebuild against a GPU build of torch");
@@ -65,27 +68,23 @@ std::string finish(const std::string& id) { return find_comm(id)->finish(); }
 
 void check(const std::string& id) { find_comm(id)->check(); }
 
-py::dict layout(const std::string& id) {
-  const Layout& l = find_comm(id)->layout();
-  py::dict d;
-  d["signal_bytes"] = l.signal_bytes;
-  d["data_bytes"] = l.data_bytes;
-  d["ar_slot_bytes"] = l.ar_slot_bytes;
-  d["row_stride"] = l.row_stride;
-  return d;
+void watch_peers(const std::string& id, const std::vector<std::tuple<int, int, uint64_t>>& peers) {
+  std::vector<PeerProcess> v;
+  for (const auto& [rank, pid, start] : peers) v.push_back(PeerProcess{rank, pid, start});
+  find_comm(id)->watch_peers(v);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(rdna4_comm, m) {
-  m.def("all_reduce(Tensor x, str comm) -> Tensor");
+  m.def("all_reduce(Tensor x, Tensor(a!) order, str comm) -> Tensor");
   m.def(
-      "dispatch(Tensor x, Tensor topk_idx, Tensor? topk_weights, str comm) -> "
+      "dispatch(Tensor x, Tensor topk_idx, Tensor? topk_weights, Tensor(a!) order, str comm) -> "
       "(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor counts, Tensor recv_src, "
       "Tensor src_tokens, Tensor send_mask)");
   m.def(
       "combine(Tensor y, Tensor recv_src, Tensor counts, Tensor src_tokens, Tensor send_mask, "
-      "str comm) -> Tensor");
+      "Tensor(a!) order, str comm) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(rdna4_comm, CPU, m) {
@@ -107,13 +106,31 @@ TORCH_LIBRARY_IMPL(rdna4_comm, CUDA, m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace rdna4_comm;
-  m.doc() = "rdna4_comm C++ core: communicator bootstrap and protocol policies";
-  m.def("create", &create, "Create this rank's communicator and heap; returns its export handle");
+  m.doc() = "rdna4_comm C++ core: communicator bootstrap, limits and the all_reduce predicate";
+  py::class_<CommConfig>(m, "CommConfig", "What a communicator is made of (filled in and validated by Communicator)")
+      .def(py::init<>())
+      .def_readwrite("id", &CommConfig::id)
+      .def_readwrite("transport", &CommConfig::transport)
+      .def_readwrite("rank", &CommConfig::rank)
+      .def_readwrite("world", &CommConfig::world)
+      .def_readwrite("cap", &CommConfig::cap)
+      .def_readwrite("hidden", &CommConfig::hidden)
+      .def_readwrite("topk", &CommConfig::topk)
+      .def_readwrite("num_experts", &CommConfig::num_experts)
+      .def_readwrite("dtype", &CommConfig::dtype)
+      .def_readwrite("ar_slot_bytes", &CommConfig::ar_slot_bytes)
+      .def_readwrite("timeout_ms", &CommConfig::timeout_ms)
+      .def_readwrite("device_index", &CommConfig::device_index);
+  m.def("create", &create, py::arg("config"), "Create this rank's communicator and heap; returns its export handle");
   m.def("connect", &connect, "Open every rank's heap from the gathered export handles");
   m.def("finish", &finish, "Finish bootstrap after a group barrier (unlink, P2P probe)");
   m.def("destroy", &remove_comm, "Release this rank's communicator");
   m.def("check", &check, "Raise if an earlier op of the communicator failed");
-  m.def("layout", &layout, "Heap layout sizes of a communicator");
+  m.def("watch_peers", &watch_peers, "Watch the peers' processes: [(rank, pid, start_time)]");
+  m.def("process_start_time", &process_start_time, py::arg("pid"),
+        "Start time of a process as /proc shows it, 0 if not visible");
+  m.def("process_alive", [](int pid, uint64_t start_time) { return process_alive(PeerProcess{-1, pid, start_time}); },
+        py::arg("pid"), py::arg("start_time"), "Whether that process still runs (not gone, reused or a zombie)");
 #ifdef RDNA4_COMM_WITH_GPU
   m.attr("with_gpu") = true;
 #else
@@ -121,24 +138,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("allreduce_use_one_shot", &allreduce_use_one_shot, py::arg("nbytes"), py::arg("world"),
         py::arg("gpu"));
-  m.def("ep_chunk_tokens", &ep_chunk_tokens, py::arg("ntok"));
-  m.def("ep_num_chunks", &ep_num_chunks, py::arg("ntok"));
-  // (send_blocks, recv_blocks) of a launch policy, for the tests.
-  auto bind_grid = [&m](const char* name, EpGrid (*policy)(int64_t, int, int)) {
-    m.def(name, [policy](int64_t ntok, int world, int sm_count) {
+  m.attr("max_world") = kMaxWorld;
+  m.attr("max_gpu_world") = kMaxGpuWorld;
+  m.attr("max_gpu_tokens_per_rank") = kMaxGpuTokensPerRank;
+  m.attr("max_topk") = kMaxTopk;
+
+  // The protocol's policies, bound so that the tests check the functions the
+  // transports and kernels themselves call.
+  auto testing = m.def_submodule("testing", "protocol.h policies, for the tests");
+  testing.def("ep_chunk_tokens", &ep_chunk_tokens, py::arg("ntok"));
+  testing.def("ep_num_chunks", &ep_num_chunks, py::arg("ntok"));
+  // (send_blocks, recv_blocks) of a launch policy.
+  auto bind_grid = [&testing](const char* name, EpGrid (*policy)(int64_t, int, int)) {
+    testing.def(name, [policy](int64_t ntok, int world, int sm_count) {
       const EpGrid g = policy(ntok, world, sm_count);
       return std::make_pair(g.send_blocks, g.recv_blocks);
     }, py::arg("ntok"), py::arg("world"), py::arg("sm_count"));
   };
   bind_grid("dispatch_grid", &dispatch_grid);
   bind_grid("combine_grid", &combine_grid);
-  m.def("allreduce_blocks", &allreduce_blocks, py::arg("share_bytes"), py::arg("sm_count"));
+  testing.def("allreduce_blocks", &allreduce_blocks, py::arg("share_bytes"), py::arg("sm_count"));
   py::dict one_shot_max;
   one_shot_max["cpu"] = kCpuOneShotMaxBytes;
   one_shot_max["gpu"] = kGpuOneShotMaxBytes;
-  m.attr("one_shot_max_bytes") = one_shot_max;
-  m.attr("max_world") = kMaxWorld;
-  m.attr("max_gpu_world") = kMaxGpuWorld;
-  m.attr("max_gpu_tokens_per_rank") = kMaxGpuTokensPerRank;
-  m.attr("max_topk") = kMaxTopk;
+  testing.attr("one_shot_max_bytes") = one_shot_max;
 }

@@ -146,6 +146,9 @@ RC_HD uint64_t encode_timeout(int op, int peer, uint64_t gen) {
   return (uint64_t(1) << 63) | (uint64_t(op) << 56) | (uint64_t(peer & 0xff) << 48) |
          (gen & 0xffffffffffffull);
 }
+// The host's peer watchdog (GPU transport) leaves the same word, with this
+// op, when a peer's process exits: spinning kernels then stop at once.
+constexpr int kOpPeerExited = 0x7f;
 RC_HD int timeout_op(uint64_t word) { return int((word >> 56) & 0x7f); }
 RC_HD int timeout_peer(uint64_t word) { return int((word >> 48) & 0xff); }
 RC_HD uint64_t timeout_gen(uint64_t word) { return word & 0xffffffffffffull; }

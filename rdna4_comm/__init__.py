@@ -9,6 +9,7 @@
 from . import ops as _ops  # noqa: F401  (schemas and fakes)
 from . import reference
 from .communicator import Communicator, DispatchHandle, Dispatched, allreduce_algorithm
+from .ops import mark_dynamic_tokens
 
-__all__ = ["Communicator", "Dispatched", "DispatchHandle", "allreduce_algorithm", "reference"]
+__all__ = ["Communicator", "Dispatched", "DispatchHandle", "allreduce_algorithm", "mark_dynamic_tokens", "reference"]
 __version__ = "0.1.0"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import weakref
 from typing import NamedTuple, Optional
 
@@ -10,10 +11,15 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .ops import OpShapes, register_shapes, unregister_shapes
+from ._rendezvous import Rendezvous
+from .ops import order_token, register_config, unregister_config
 
 EP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-DEFAULT_TIMEOUT_MS = 10_000
+# Long enough for one rank to compile a model cold while its peers already
+# wait in the first collective (docs/semantics.md, "Timeouts"). A peer whose
+# process exits is noticed within kLivenessPeriodMs whatever this bound is.
+DEFAULT_TIMEOUT_MS = 300_000
+HOST_ID_ENV = "RDNA4_COMM_HOST_ID"
 # all_reduce inbox per (parity, source rank). One-shot chunks are at most one
 # slot; two-shot chunks at most world_size slots. Larger tensors are chunked.
 DEFAULT_ALLREDUCE_SLOT_BYTES = {"cpu": 1 << 20, "gpu": 16 << 20}
@@ -31,6 +37,8 @@ class DispatchHandle(NamedTuple):
     - ``src_tokens``: [W] int32, T of each source rank.
     - ``send_mask``: [T] int32, bit ``d`` set when the local token was sent to rank ``d``.
     - ``comm_id``: the communicator that made it.
+    - ``token_shape``: the leading dimensions of dispatch's ``x`` (``x.shape[:-1]``),
+      which combine's result takes.
     """
 
     recv_src: torch.Tensor
@@ -38,6 +46,7 @@ class DispatchHandle(NamedTuple):
     src_tokens: torch.Tensor
     send_mask: torch.Tensor
     comm_id: str
+    token_shape: tuple
 
 
 class Dispatched(NamedTuple):
@@ -46,11 +55,12 @@ class Dispatched(NamedTuple):
     - ``x``: [W*cap, H] of the communicator dtype. Rows ``[0, num_recv)`` are
       valid, grouped by source rank ascending, within a source by source token
       ascending; later rows are zero padding.
-    - ``topk_idx``: [W*cap, K] int32, the local expert id (global id minus
-      ``rank * num_experts / W``) where the slot's expert lives on this rank, else
-      -1. Padding rows are all -1.
-    - ``topk_weights``: [W*cap, K] float32, 0 where ``topk_idx`` is -1; None when
-      dispatch got no weights.
+    - ``topk_idx``: [W*cap, K] in the dtype of the ids given (int32 or int64),
+      the local expert id (global id minus ``rank * num_experts / W``) where the
+      slot's expert lives on this rank, else -1. Padding rows are all -1.
+    - ``topk_weights``: [W*cap, K] in the dtype of the weights given (float32,
+      bfloat16 or float16), 0 where ``topk_idx`` is -1; None when dispatch got
+      no weights.
     - ``counts``: [W] int32 on the op's device, rows received from each source;
       ``num_recv = counts.sum()``.
     - ``handle``: :class:`DispatchHandle` for :meth:`Communicator.combine`.
@@ -79,6 +89,20 @@ def shared_gpus_allowed() -> bool:
     then runs through IPC between processes on one device, which is correct
     but slow, since the GPU time-slices the ranks' spinning kernels."""
     return os.environ.get(SHARED_GPU_ENV, "0") == "1"
+
+
+def host_identity() -> str:
+    """This host's identity: hostname and boot id (``RDNA4_COMM_HOST_ID``
+    replaces it, for containers that share a host and for tests)."""
+    forced = os.environ.get(HOST_ID_ENV)
+    if forced:
+        return forced
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown-boot"
+    return f"{socket.gethostname()}/{boot}"
 
 
 def _gpu_identity() -> Optional[str]:
@@ -122,13 +146,24 @@ class Communicator:
             default 1 MiB on CPU, 16 MiB on GPU. Larger tensors are processed
             in chunks of this size (one-shot) or W times it (two-shot).
         timeout_ms: bound of every wait (default: env ``RDNA4_COMM_TIMEOUT_MS``
-            or 10000). A peer that does not make the matching call within it
-            makes the op raise ``RuntimeError`` (GPU: at the next call or
-            :meth:`check`) naming the op, the peer and the generation; the
-            communicator is unusable afterwards.
+            or 300000, enough for a peer's cold torch.compile). A peer that
+            does not make the matching call within it makes the op raise
+            ``RuntimeError`` (GPU: at the next call or :meth:`check`) naming
+            the op, the peer and the generation; the communicator is unusable
+            afterwards. A peer on this host whose process exits is noticed
+            within about 50 ms, whatever the bound.
 
     Heap size per rank: about ``4 * W * allreduce_slot_bytes`` plus, with EP
     fields, ``2 * W * cap * (2*H*elt + 8*K + 4)`` bytes.
+
+    Ordering: every rank issues a communicator's ops in the same order, and
+    on one rank they run in stream order (issue them on one stream; each op's
+    kernels take the next generation of the op's counter when they start and
+    store it back when they finish). Under torch.compile every op stays in
+    program order and is never dropped (see ``rdna4_comm.ops``); mark the
+    token dimension of a compiled function's inputs with
+    :func:`rdna4_comm.mark_dynamic_tokens` so that changing token counts do not
+    recompile while peers wait.
     """
 
     def __init__(
@@ -187,44 +222,68 @@ class Communicator:
                 raise ValueError(f"RDNA4_COMM_TIMEOUT_MS must be a positive integer (milliseconds), got {env!r}") from None
         timeout_ms = _positive_int("timeout_ms", timeout_ms)
 
-        self.transport = self._select_transport(transport)
-        if self.transport == "gpu" and self.world_size > _C.max_gpu_world:
-            raise ValueError(
-                f"Communicator: the GPU transport supports at most {_C.max_gpu_world} ranks, got {self.world_size}"
-            )
+        # Every exchange of the construction is bounded by timeout_ms (_rendezvous).
+        rendezvous = Rendezvous(self.group, timeout_ms)
+        me = dict(host=host_identity(), pid=os.getpid(), start=_C.process_start_time(os.getpid()),
+                  gpu=_gpu_identity())
+        ranks = rendezvous.exchange("hello", me)
+        rendezvous.processes = [(p["pid"], p["start"]) if p["host"] == me["host"] and p["start"] else None
+                                for p in ranks]
+        self.transport = self._select_transport(transport, [p["gpu"] for p in ranks])
+        if self.transport == "gpu":
+            if self.world_size > _C.max_gpu_world:
+                raise ValueError(
+                    f"Communicator: the GPU transport supports at most {_C.max_gpu_world} ranks, got {self.world_size}"
+                )
+            if cap > _C.max_gpu_tokens_per_rank:
+                raise ValueError(
+                    f"Communicator: max_tokens_per_rank must be at most {_C.max_gpu_tokens_per_rank} on the GPU "
+                    f"transport, got {cap}"
+                )
         if allreduce_slot_bytes is None:
             allreduce_slot_bytes = DEFAULT_ALLREDUCE_SLOT_BYTES[self.transport]
         allreduce_slot_bytes = _positive_int("allreduce_slot_bytes", allreduce_slot_bytes)
 
         self.max_tokens_per_rank, self.hidden, self.topk, self.num_experts = cap, hidden, topk, num_experts
+        self.num_local_experts = num_experts // self.world_size
+        self.local_experts = range(self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts)
         self.dtype = dtype
         self.timeout_ms = timeout_ms
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.transport == "gpu" else torch.device("cpu")
         self.id = f"rdna4_comm.{os.getpid()}.{next(_ids)}"
+        self._order = order_token(self.device)
 
-        handle = _C.create(
-            self.id, self.transport, self.rank, self.world_size, cap, hidden, topk, num_experts,
-            dtype, allreduce_slot_bytes, timeout_ms, self.device.index if self.device.index is not None else -1,
-        )
-        self._open = True
-        self._finalizer = weakref.finalize(self, _release, self.id)
-        handles = [None] * self.world_size
-        dist.all_gather_object(handles, handle, group=self.group)
-        _C.connect(self.id, handles)
-        dist.barrier(group=self.group)
-        problems = [None] * self.world_size
-        dist.all_gather_object(problems, _C.finish(self.id), group=self.group)
+        config = _C.CommConfig()
+        for name, value in dict(
+            id=self.id, transport=self.transport, rank=self.rank, world=self.world_size, cap=cap, hidden=hidden,
+            topk=topk, num_experts=num_experts, dtype=dtype, ar_slot_bytes=allreduce_slot_bytes,
+            timeout_ms=timeout_ms, device_index=-1 if self.device.index is None else self.device.index,
+        ).items():
+            setattr(config, name, value)
+        try:
+            handle = _C.create(config)
+            self._open = True
+            self._finalizer = weakref.finalize(self, _release, self.id)
+            _C.connect(self.id, rendezvous.exchange("heap", handle))
+            rendezvous.exchange("connected", None)  # every rank has opened every heap
+            problems = rendezvous.exchange("probe", _C.finish(self.id))
+        except BaseException as e:
+            rendezvous.fail(e)
+            rendezvous.remove_segments_of_exited()
+            if getattr(self, "_open", False):
+                self.close()
+            raise
         bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
         if bad:
             self.close()
             raise RuntimeError("Communicator: peer-to-peer probe failed:\n" + "\n".join(bad))
-        register_shapes(self.id, OpShapes(self.world_size, cap, hidden, topk, dtype, self.device))
+        _C.watch_peers(self.id, [(r, *p) for r, p in enumerate(rendezvous.processes) if p is not None])
+        register_config(config, self.device)
 
-    def _select_transport(self, requested: str) -> str:
+    def _select_transport(self, requested: str, ids: list) -> str:
+        """The transport for ``requested``, from every rank's GPU identity ``ids``."""
         if requested == "cpu":
             return "cpu"
-        ids = [None] * self.world_size
-        dist.all_gather_object(ids, _gpu_identity(), group=self.group)
         distinct = len(set(ids)) == len(ids) or shared_gpus_allowed()
         usable = all(i is not None for i in ids) and distinct
         if requested == "gpu" and not usable:
@@ -258,7 +317,7 @@ class Communicator:
             ``rdna4_comm.allreduce_algorithm``.
         """
         self._check_open()
-        return torch.ops.rdna4_comm.all_reduce(x, self.id)
+        return torch.ops.rdna4_comm.all_reduce(x, self._order, self.id)
 
     def dispatch(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor] = None
@@ -266,21 +325,26 @@ class Communicator:
         """Send every token to the ranks that own its experts. Collective.
 
         Args:
-            x: [T, H] of the communicator dtype, contiguous, ``0 <= T <= cap``.
-                T may differ between ranks.
-            topk_idx: [T, K] torch.int32 or torch.int64 global expert ids. Ids
-                < 0 or >= num_experts are dropped (the slot routes nowhere).
-            topk_weights: [T, K] torch.float32, or None.
+            x: [..., H] of the communicator dtype, contiguous: its leading
+                dimensions are the tokens (e.g. [T, H] or [B, S, H]), at most
+                ``cap`` of them. The token count may differ between ranks and
+                may be 0.
+            topk_idx: torch.int32 or torch.int64 global expert ids of shape
+                ``x.shape[:-1] + (K,)`` or [T, K]. Ids < 0 or >= num_experts are
+                dropped (the slot routes nowhere).
+            topk_weights: torch.float32, torch.bfloat16 or torch.float16 of
+                topk_idx's shape, or None.
 
         Returns:
-            :class:`Dispatched`. A token reaches a rank once however many of its
-            experts live there: one row per (token, destination rank).
+            :class:`Dispatched`, its routing in the dtypes given. A token
+            reaches a rank once however many of its experts live there: one
+            row per (token, destination rank).
         """
         self._check_ep()
         rx, ridx, rw, counts, recv_src, src_tokens, send_mask = torch.ops.rdna4_comm.dispatch(
-            x, topk_idx, topk_weights, self.id
+            x, topk_idx, topk_weights, self._order, self.id
         )
-        handle = DispatchHandle(recv_src, counts, src_tokens, send_mask, self.id)
+        handle = DispatchHandle(recv_src, counts, src_tokens, send_mask, self.id, tuple(x.shape[:-1]))
         return Dispatched(rx, ridx, rw if topk_weights is not None else None, counts, handle)
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -294,9 +358,10 @@ class Communicator:
             handle: ``Dispatched.handle`` of the matching dispatch.
 
         Returns:
-            [T, H] of y's dtype: for every local token t, the sum over its
-            destination ranks r, ascending, of ``y_r[row_r(t)]``, accumulated in
-            float32 and rounded once. Tokens routed nowhere give zeros.
+            ``handle.token_shape + (H,)`` (dispatch's x shape) of y's dtype: for
+            every local token t, the sum over its destination ranks r,
+            ascending, of ``y_r[row_r(t)]``, accumulated in float32 and rounded
+            once. Tokens routed nowhere give zeros.
         """
         self._check_ep()
         if not isinstance(handle, DispatchHandle):
@@ -305,9 +370,10 @@ class Communicator:
             raise ValueError(
                 f"combine: handle comes from communicator {handle.comm_id!r}, not from this one ({self.id!r})"
             )
-        return torch.ops.rdna4_comm.combine(
-            y, handle.recv_src, handle.counts, handle.src_tokens, handle.send_mask, self.id
+        out = torch.ops.rdna4_comm.combine(
+            y, handle.recv_src, handle.counts, handle.src_tokens, handle.send_mask, self._order, self.id
         )
+        return out.view(*handle.token_shape, self.hidden)
 
     # ---------------------------------------------------------- lifecycle
 
@@ -362,7 +428,7 @@ class Communicator:
 
 
 def _release(comm_id: str) -> None:
-    unregister_shapes(comm_id)
+    unregister_config(comm_id)
     _C.destroy(comm_id)
 
 

@@ -73,15 +73,17 @@ class ExpertParallelMoE(torch.nn.Module):
         super().__init__()
         self.comm = comm
         self.topk = comm.topk
-        epr = comm.num_experts // comm.world_size
-        first = comm.rank * epr
+        mine = slice(comm.local_experts.start, comm.local_experts.stop)
         router, w_in, w_out = init_weights(seed, comm.num_experts, comm.hidden, ffn)
         self.register_buffer("router", router.to(comm.device))
-        self.register_buffer("w_in", w_in[first : first + epr].contiguous().to(comm.device))
-        self.register_buffer("w_out", w_out[first : first + epr].contiguous().to(comm.device))
+        self.register_buffer("w_in", w_in[mine].contiguous().to(comm.device))
+        self.register_buffer("w_out", w_out[mine].contiguous().to(comm.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H] of the communicator dtype, T <= max_tokens_per_rank -> [T, H]."""
+        """x: [T, H] of the communicator dtype, T <= max_tokens_per_rank -> [T, H].
+
+        Compile it with ``torch.compile(layer, fullgraph=True)`` and pass
+        ``rdna4_comm.mark_dynamic_tokens(x)``: one graph serves every T."""
         idx, weights = route(x, self.router, self.topk)
         d = self.comm.dispatch(x, idx, weights)
         # Received rows carry local expert ids; padding rows (all -1) give zeros.

@@ -1,45 +1,74 @@
-"""torch.ops.rdna4_comm.*: fake (meta) implementations and the per-process
-table of communicator shapes they read.
+"""torch.ops.rdna4_comm.*: fake (meta) implementations, the per-process table
+of communicator shapes they read, and the ordering token every op takes.
 
 The schemas and the real CPU/CUDA implementations are registered by the C++
 extension (csrc/ops.cpp). Output shapes never depend on data: dispatch returns
 fixed-capacity buffers, so the ops trace under torch.compile(fullgraph=True).
+
+Every op is a collective, so a compiler must neither drop one whose result is
+unused (a rank with no tokens still has to take part) nor reorder two of them
+(every rank must issue them in the same order). Each op's schema therefore
+declares that it writes the ordering token of its device (``Tensor(a!)
+order``): a write is never dead code, and writes to one tensor keep program
+order. The ops never read or change the token's value.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 
 import torch
 
 from . import _C  # noqa: F401  (loads the schemas into torch.ops.rdna4_comm)
 
 
-@dataclass(frozen=True)
-class OpShapes:
-    """What a fake needs to know about a communicator: its output shapes."""
-
-    world: int
-    cap: int
-    hidden: int
-    topk: int
-    dtype: torch.dtype
-    device: torch.device
+# What the fakes know of each open communicator of this process: its
+# configuration (world, cap, hidden, topk, dtype: the output shapes) and device.
+_CONFIGS: dict[str, tuple] = {}
+_ORDER_TOKENS: dict[torch.device, torch.Tensor] = {}
 
 
-_SHAPES: dict[str, OpShapes] = {}
+def order_token(device: torch.device) -> torch.Tensor:
+    """The process's ordering token for ``device``: one per device, shared by
+    every communicator there, so their collectives keep program order among
+    each other too. Its address is static (for CUDA graphs under
+    torch.compile mode="reduce-overhead"), and it lives as long as the process."""
+    device = torch.device(device)
+    token = _ORDER_TOKENS.get(device)
+    if token is None:
+        token = _ORDER_TOKENS[device] = torch.zeros(1, dtype=torch.int64, device=device)
+        torch._dynamo.mark_static_address(token)
+    return token
 
 
-def register_shapes(comm_id: str, shapes: OpShapes) -> None:
-    _SHAPES[comm_id] = shapes
+def mark_dynamic_tokens(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Mark dimension ``dim`` of ``x``, an input of a ``torch.compile``d
+    function, as a token count that may take any value, 0 and 1 included;
+    returns ``x``. Call it on the input before every compiled call.
+
+    Ranks pass different token counts to the same compiled layer, and a rank's
+    count changes from call to call. Compiled for one count (torch.compile's
+    default) or with a plain dynamic dimension (which still specialises 0
+    and 1), a new count recompiles on that rank alone while its peers already
+    wait in the layer's first collective. An unbacked size gives one graph for
+    every count, so every rank runs the same compiled code.
+    """
+    torch._dynamo.decorators.mark_unbacked(x, dim)
+    return x
 
 
-def unregister_shapes(comm_id: str) -> None:
-    _SHAPES.pop(comm_id, None)
+def register_config(config, device: torch.device) -> None:
+    _CONFIGS[config.id] = (config, device)
 
 
-def _shapes(comm_id: str, op: str, **tensors) -> OpShapes:
+def unregister_config(comm_id: str) -> None:
+    _CONFIGS.pop(comm_id, None)
+
+
+def _config_of(comm_id: str, op: str, **tensors):
+    """The communicator's configuration (an rdna4_comm._C.CommConfig), after
+    checking that every tensor is on its device."""
     try:
-        s = _SHAPES[comm_id]
+        s, device = _CONFIGS[comm_id]
     except KeyError:
         raise ValueError(
             f"rdna4_comm: no open communicator with id {comm_id!r} in this process "
@@ -48,35 +77,37 @@ def _shapes(comm_id: str, op: str, **tensors) -> OpShapes:
     # The C++ ops check everything else; a call with a tensor on another
     # device (meta included) reaches this fake instead of them.
     for arg, t in tensors.items():
-        if t is not None and t.device != s.device:
-            raise ValueError(f"{op}: {arg} must be on {s.device} (the communicator's device), got {t.device}")
+        if t is not None and t.device != device:
+            raise ValueError(f"{op}: {arg} must be on {device} (the communicator's device), got {t.device}")
     return s
 
 
 @torch.library.register_fake("rdna4_comm::all_reduce")
-def _all_reduce_fake(x: torch.Tensor, comm: str) -> torch.Tensor:
-    _shapes(comm, "all_reduce", x=x)
+def _all_reduce_fake(x: torch.Tensor, order: torch.Tensor, comm: str) -> torch.Tensor:
+    _config_of(comm, "all_reduce", x=x, order=order)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("rdna4_comm::dispatch")
-def _dispatch_fake(x, topk_idx, topk_weights, comm):
-    s = _shapes(comm, "dispatch", x=x, topk_idx=topk_idx, topk_weights=topk_weights)
+def _dispatch_fake(x, topk_idx, topk_weights, order, comm):
+    s = _config_of(comm, "dispatch", x=x, topk_idx=topk_idx, topk_weights=topk_weights, order=order)
     rows = s.world * s.cap
     i32 = dict(dtype=torch.int32, device=x.device)
+    tokens = math.prod(x.shape[:-1])  # leading dimensions of x are tokens
+    weights_dtype = topk_weights.dtype if topk_weights is not None else torch.float32
     return (
         x.new_empty((rows, s.hidden), dtype=s.dtype),
-        x.new_empty((rows, s.topk), **i32),
-        x.new_empty((rows if topk_weights is not None else 0, s.topk), dtype=torch.float32),
+        x.new_empty((rows, s.topk), dtype=topk_idx.dtype),
+        x.new_empty((rows if topk_weights is not None else 0, s.topk), dtype=weights_dtype),
         x.new_empty((s.world,), **i32),
         x.new_empty((rows,), **i32),
         x.new_empty((s.world,), **i32),
-        x.new_empty((x.shape[0],), **i32),
+        x.new_empty((tokens,), **i32),
     )
 
 
 @torch.library.register_fake("rdna4_comm::combine")
-def _combine_fake(y, recv_src, counts, src_tokens, send_mask, comm):
-    s = _shapes(comm, "combine", y=y, recv_src=recv_src, counts=counts, src_tokens=src_tokens,
-                send_mask=send_mask)
+def _combine_fake(y, recv_src, counts, src_tokens, send_mask, order, comm):
+    s = _config_of(comm, "combine", y=y, recv_src=recv_src, counts=counts, src_tokens=src_tokens,
+                send_mask=send_mask, order=order)
     return y.new_empty((send_mask.shape[0], s.hidden))

@@ -43,13 +43,15 @@ def dispatch(
     """What each rank receives from ``Communicator.dispatch``.
 
     Args:
-        xs: per rank, [T_r, H].
-        topk_idxs: per rank, [T_r, K] global expert ids.
-        topk_weights: per rank, [T_r, K] float32, or None.
+        xs: per rank, [T_r, H] (the op's x with its leading dimensions flattened).
+        topk_idxs: per rank, [T_r, K] int32 or int64 global expert ids.
+        topk_weights: per rank, [T_r, K] float32, bfloat16 or float16, or None.
 
     Returns:
         Per rank, a :class:`Dispatched` with the op's shapes and values,
-        padding included.
+        padding included. Its routing has the dtypes of that rank's own
+        inputs; weights travel in float32 (exact for bfloat16/float16 inputs)
+        and are rounded once to the receiving rank's weight dtype.
     """
     W, cap = len(xs), max_tokens_per_rank
     epr = num_experts // W
@@ -67,25 +69,26 @@ def dispatch(
             toks = hits[s][:, d].nonzero().flatten()
             here = owners[s][toks] == d
             xr.append(xs[s][toks])
-            ir.append(torch.where(here, topk_idxs[s][toks].long() - d * epr, -1).to(torch.int32))
+            ir.append(torch.where(here, topk_idxs[s][toks].long() - d * epr, -1))
             if topk_weights is not None:
-                wr.append(torch.where(here, topk_weights[s][toks], 0.0))
+                wr.append(torch.where(here, topk_weights[s][toks].float(), 0.0))
             sr.append((s * cap + toks).to(torch.int32))
             counts.append(toks.numel())
         n, rows = sum(counts), W * cap
         H, K = xs[d].shape[1], topk_idxs[d].shape[1]
         x = torch.zeros(rows, H, dtype=xs[d].dtype)
         x[:n] = torch.cat(xr)
-        idx = torch.full((rows, K), -1, dtype=torch.int32)
+        idx = torch.full((rows, K), -1, dtype=topk_idxs[d].dtype)
         idx[:n] = torch.cat(ir)
         w = None
         if topk_weights is not None:
             w = torch.zeros(rows, K, dtype=torch.float32)
             w[:n] = torch.cat(wr)
+            w = w.to(topk_weights[d].dtype)
         src = torch.full((rows,), -1, dtype=torch.int32)
         src[:n] = torch.cat(sr)
         cnt = torch.tensor(counts, dtype=torch.int32)
-        handle = DispatchHandle(src, cnt, src_tokens.clone(), send_masks[d], "reference")
+        handle = DispatchHandle(src, cnt, src_tokens.clone(), send_masks[d], "reference", (xs[d].shape[0],))
         out.append(Dispatched(x, idx, w, cnt, handle))
     return out
 

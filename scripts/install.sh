@@ -24,9 +24,10 @@ if ! python3 -c "import torch" >/dev/null 2>&1; then
 fi
 
 # Build (setuptools with its own bdist_wheel, since --no-build-isolation builds
-# with what is installed; ninja), tests (pytest, hypothesis), benchmarks and
-# demo (matplotlib, tqdm). Nothing that already satisfies these is upgraded.
-pip_install "setuptools>=70.1" ninja pytest hypothesis matplotlib tqdm
+# with what is installed; ninja), tests (pytest, hypothesis; transformers for
+# tests/test_transformers.py, the "transformers" extra in setup.py), benchmarks
+# and demo (matplotlib, tqdm). Nothing that already satisfies these is upgraded.
+pip_install "setuptools>=70.1" ninja pytest hypothesis "transformers>=5.18" matplotlib tqdm
 
 # The build takes about two minutes on two cores and pip always rebuilds from
 # scratch, so it is skipped while the installed package is this checkout's and

@@ -1,12 +1,14 @@
-"""Inputs and comparisons shared by the tests."""
+"""Inputs and comparisons shared by the tests. The ones the benchmarks and
+the demo use too live in rdna4_comm._bench.checks and are re-exported here."""
 from __future__ import annotations
 
 import os
 
 import torch
 
+from rdna4_comm._bench.checks import assert_dispatched, rand  # noqa: F401  (re-exported to the tests)
 # Bitwise equality of dtype, shape and every byte: the benchmarks' check.
-from rdna4_comm._cases import assert_same as assert_bitwise  # noqa: F401  (re-exported to the tests)
+from rdna4_comm._bench.checks import assert_same as assert_bitwise  # noqa: F401  (re-exported to the tests)
 
 
 def errors_of(cases: dict) -> dict:
@@ -25,13 +27,6 @@ def errors_of(cases: dict) -> dict:
 def examples(n: int) -> int:
     """Hypothesis examples for a test, scaled by RDNA4_COMM_TEST_EXAMPLES (a factor)."""
     return max(5, int(n * float(os.environ.get("RDNA4_COMM_TEST_EXAMPLES", "1"))))
-
-
-def rand(seed: int, rank: int, shape, dtype=torch.float32) -> torch.Tensor:
-    """Deterministic non-zero data for (seed, rank): never zeros, which hide unwritten outputs."""
-    g = torch.Generator().manual_seed(seed * 7919 + rank * 104729 + 17)
-    x = torch.randn(shape, generator=g) * 4
-    return torch.where(x == 0, torch.ones_like(x), x).to(dtype)
 
 
 # ------------------------------------------------------------------ EP inputs
@@ -99,15 +94,3 @@ def ep_inputs(seed: int, rank: int, world: int, T: int, cfg: dict, kind: str, we
 def expert_fn(x: torch.Tensor, rank: int, salt: int = 0) -> torch.Tensor:
     """A stand-in expert that rounds exactly once (so eager, compiled and GPU agree bitwise)."""
     return (x.float() * 2 + (rank + 1 + salt)).to(x.dtype)
-
-
-def assert_dispatched(actual, expected, what: str = "") -> None:
-    assert_bitwise(actual.counts, expected.counts, f"{what} counts")
-    assert_bitwise(actual.x, expected.x, f"{what} x")
-    assert_bitwise(actual.topk_idx, expected.topk_idx, f"{what} topk_idx")
-    if expected.topk_weights is None:
-        assert actual.topk_weights is None, f"{what}: weights returned without weights given"
-    else:
-        assert_bitwise(actual.topk_weights, expected.topk_weights, f"{what} topk_weights")
-    for field in ("recv_src", "counts", "src_tokens", "send_mask"):
-        assert_bitwise(getattr(actual.handle, field), getattr(expected.handle, field), f"{what} handle.{field}")

@@ -49,7 +49,7 @@ def test_matches_reference(world, seed, shapes, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_both_sides_of_the_algorithm_boundary(world, dtype):
     elt = torch.tensor([], dtype=dtype).element_size()
-    limit = rc._C.one_shot_max_bytes[world.transport]
+    limit = rc._C.testing.one_shot_max_bytes[world.transport]
     sizes = [limit // elt - 1, limit // elt, limit // elt + 1, 3 * limit // elt + 7]
     algos = {rc.allreduce_algorithm(n * elt, world.size, world.transport) for n in sizes}
     if world.size > 2:
@@ -59,7 +59,7 @@ def test_both_sides_of_the_algorithm_boundary(world, dtype):
 
 def test_algorithm_predicate():
     for transport in ("cpu", "gpu"):
-        limit = rc._C.one_shot_max_bytes[transport]
+        limit = rc._C.testing.one_shot_max_bytes[transport]
         assert rc.allreduce_algorithm(limit, 4, transport) == "one_shot"
         assert rc.allreduce_algorithm(limit + 1, 4, transport) == "two_shot"
         # Two ranks move the same bytes either way; one-shot saves a barrier.
@@ -101,7 +101,7 @@ def t_opcheck(ctx):
     comm = ctx.comm(allreduce_slot_bytes=SLOT)
     for dtype in DTYPES:
         x = rand(1, ctx.rank, (7, 5), dtype).to(ctx.device)
-        torch.library.opcheck(torch.ops.rdna4_comm.all_reduce.default, (x, comm.id))
+        torch.library.opcheck(torch.ops.rdna4_comm.all_reduce.default, (x, rc.ops.order_token(x.device), comm.id))
     return True
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,13 +12,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
 FAST = ["--transport", "cpu", "--world", "2", "--rounds", "2", "--samples", "3"]
 TIMEOUT_S = 180
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=TIMEOUT_S)
 
 

@@ -8,6 +8,7 @@ from common import ROUTINGS, assert_bitwise, assert_dispatched, ep_inputs, error
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import rdna4_comm as rc
 from rdna4_comm import reference
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -197,13 +198,14 @@ def t_opcheck(ctx, cfg):
     dev = ctx.device
     for weights in (True, False):
         x, idx, w = ep_inputs(3, ctx.rank, ctx.world, 5, ref_cfg(cfg), "random", weights)
-        args = (x.to(dev), idx.to(dev), None if w is None else w.to(dev), comm.id)
+        token = rc.ops.order_token(dev)
+        args = (x.to(dev), idx.to(dev), None if w is None else w.to(dev), token, comm.id)
         torch.library.opcheck(torch.ops.rdna4_comm.dispatch.default, args)
         d = comm.dispatch(*args[:3])
         h = d.handle
         y = expert_fn(d.x, ctx.rank)
         torch.library.opcheck(torch.ops.rdna4_comm.combine.default,
-                              (y, h.recv_src, h.counts, h.src_tokens, h.send_mask, comm.id))
+                              (y, h.recv_src, h.counts, h.src_tokens, h.send_mask, token, comm.id))
     return True
 
 
@@ -254,17 +256,17 @@ def t_bad_inputs(ctx, cfg):
 
 
 EXPECTED_ERRORS = {
-    "T>cap": ("ValueError", "0 <= T <= 6 (max_tokens_per_rank)"),
-    "x.hidden": ("ValueError", "x must have shape [T, 8]"),
-    "x.dim": ("ValueError", "x must have shape [T, 8]"),
+    "T>cap": ("ValueError", "with at most 6 tokens (max_tokens_per_rank), got [7, 8] = 7 tokens"),
+    "x.hidden": ("ValueError", "x must have shape [..., 8] (tokens, hidden)"),
+    "x.dim": ("ValueError", "x must have shape [..., 8] (tokens, hidden)"),
     "x.dtype": ("TypeError", "x must be torch.bfloat16, got torch.float32"),
     "x.device": ("ValueError", "x must be on"),
     "x.contiguous": ("ValueError", "x must be contiguous"),
-    "idx.K": ("ValueError", "topk_idx must have shape [4, 3]"),
-    "idx.T": ("ValueError", "topk_idx must have shape [4, 3]"),
+    "idx.K": ("ValueError", "topk_idx must have shape [4, 3] (x's tokens, topk) or [4, 3]"),
+    "idx.T": ("ValueError", "topk_idx must have shape [4, 3] (x's tokens, topk) or [4, 3]"),
     "idx.dtype": ("TypeError", "topk_idx must be torch.int32 or torch.int64"),
     "idx.device": ("ValueError", "topk_idx must be on"),
-    "w.dtype": ("TypeError", "topk_weights must be torch.float32, got torch.float64"),
+    "w.dtype": ("TypeError", "topk_weights must be torch.float32, torch.bfloat16 or torch.float16, got torch.float64"),
     "w.shape": ("ValueError", "topk_weights must have shape [4, 3]"),
     "w.device": ("ValueError", "topk_weights must be on"),
     "y.shape": ("ValueError", "y must have shape"),
@@ -288,6 +290,45 @@ def test_bad_inputs_raise_clear_errors_and_leave_the_communicator_usable(world_s
             assert errors[name][0] == kind and text in errors[name][1], (name, errors[name])
         assert_bitwise(out, ref_out[r], "combine after rejected calls")
         assert_bitwise(out2, ref_out2[r], "round trip after rejected calls")
+
+
+def t_model_shaped_inputs(ctx, cfg, seed, lead, w_dtype, idx_dtype):
+    """x of shape [*lead, H] with routing [*lead, K] in the router's dtypes, as
+    model code passes them."""
+    comm = ctx.comm(**cfg)
+    T = int(torch.tensor(lead).prod())
+    x, idx, w = ep_inputs(seed, ctx.rank, ctx.world, T, ref_cfg(cfg), "random")
+    H, K = cfg["hidden"], cfg["topk"]
+    dev = ctx.device
+    d = comm.dispatch(x.view(*lead, H).to(dev), idx.to(idx_dtype).view(*lead, K).to(dev),
+                      w.to(w_dtype).view(*lead, K).to(dev))
+    out = comm.combine(expert_fn(d.x, ctx.rank), d.handle)
+    # The flat [T, K] routing of the same tokens is accepted as well.
+    flat = comm.dispatch(x.view(*lead, H).to(dev), idx.to(idx_dtype).to(dev), w.to(w_dtype).to(dev))
+    comm.combine(expert_fn(flat.x, ctx.rank), flat.handle)
+    return d, out, flat
+
+
+@pytest.mark.parametrize("w_dtype", DTYPES, ids=str)
+def test_model_shaped_inputs_and_router_dtypes(world, w_dtype):
+    """[B, S, H] tokens and bf16/fp16/fp32 weights with int32/int64 ids go in
+    unchanged; routing comes back in the dtypes given, combine in x's shape."""
+    W = world.size
+    cfg = ep_config(12, 24, 4, 4 * W, torch.bfloat16)
+    lead = (2, 5)
+    for idx_dtype in (torch.int64, torch.int32):
+        results = world.run(t_model_shaped_inputs, cfg, 31, lead, w_dtype, idx_dtype)
+        inputs = [ep_inputs(31, r, W, 10, ref_cfg(cfg), "random") for r in range(W)]
+        xs, idxs, ws = (list(v) for v in zip(*inputs))
+        ref = reference.dispatch(xs, [i.to(idx_dtype) for i in idxs], [w.to(w_dtype) for w in ws],
+                                 num_experts=cfg["num_experts"], max_tokens_per_rank=12)
+        ref_out = reference.combine([expert_fn(ref[r].x, r) for r in range(W)], ref)
+        for r, (d, out, flat) in enumerate(results):
+            assert d.topk_idx.dtype == idx_dtype and d.topk_weights.dtype == w_dtype
+            assert_dispatched(d, ref[r], f"rank {r}")
+            assert_dispatched(flat, ref[r], f"rank {r}, flat routing")
+            assert d.handle.token_shape == lead
+            assert_bitwise(out, ref_out[r].view(*lead, cfg["hidden"]), f"rank {r} combine")
 
 
 def t_forged_handle(ctx, cfg):

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 from common import assert_bitwise, errors_of, rand
+from conftest import GPU_WORLDS
 from harness import World
 
 import rdna4_comm as rc
@@ -38,7 +39,7 @@ def t_lifecycle(ctx):
         except RuntimeError as e:
             errors.append(str(e))
     try:
-        torch.ops.rdna4_comm.all_reduce(x, c.id)
+        torch.ops.rdna4_comm.all_reduce(x, rc.ops.order_token(x.device), c.id)
     except ValueError as e:
         errors.append(str(e))
     with rc.Communicator(transport=ctx.transport) as c2:
@@ -114,29 +115,89 @@ def test_a_rank_that_skips_a_call_makes_the_others_raise(world_small):
 
 
 def t_open(ctx):
-    ctx.comm(timeout_ms=SHORT_TIMEOUT_MS).all_reduce(rand(1, ctx.rank, (16,)))
+    c = ctx.comm()  # the default timeout: minutes
+    c.all_reduce(rand(1, ctx.rank, (16,)).to(ctx.device))
+    c.check()
     return shm_segments(os.getpid())
 
 
 def t_call_dead_peer(ctx):
     start = time.monotonic()
     try:
-        ctx.comm(timeout_ms=SHORT_TIMEOUT_MS).all_reduce(rand(2, ctx.rank, (16,)))
+        c = ctx.comm()
+        c.all_reduce(rand(2, ctx.rank, (16,)).to(ctx.device))
+        c.check()
         return None, time.monotonic() - start
     except RuntimeError as e:
         return str(e), time.monotonic() - start
 
 
-def test_a_killed_rank_makes_the_peer_raise_and_leaves_no_shm():
-    world = World(2, "cpu")
+KILL_TRANSPORTS = ["cpu"] + (["gpu"] if GPU_WORLDS else [])
+
+
+@pytest.mark.parametrize("transport", KILL_TRANSPORTS)
+def test_a_killed_rank_makes_the_peer_raise_at_once_and_leaves_no_shm(transport):
+    """The peer's process is watched: its exit ends the wait within a liveness
+    period, long before the (default, minutes-long) timeout."""
+    world = World(2, transport)
     pids = [p.pid for p in world.procs]
     try:
         assert world.run(t_open) == [[], []]
         world.kill_rank(1)
         assert shm_segments(*pids) == []
         [(message, elapsed)] = world.run(t_call_dead_peer, ranks=[0])
-        assert message is not None and "waiting for rank 1" in message
-        assert elapsed < SHORT_TIMEOUT_MS / 1000 + 5
+        assert message is not None and "rank 1 (pid" in message and "exited" in message, message
+        assert elapsed < 2.0, elapsed
+    finally:
+        world.kill()
+    assert shm_segments(*pids) == []
+
+
+def t_construct(ctx, timeout_ms):
+    start = time.monotonic()
+    try:
+        rc.Communicator(transport=ctx.transport, timeout_ms=timeout_ms).close()
+        return None, time.monotonic() - start, shm_segments(os.getpid())
+    except RuntimeError as e:
+        return str(e), time.monotonic() - start, shm_segments(os.getpid())
+
+
+def t_construct_in_background(ctx):
+    """Start constructing and return while the construction waits for rank 0."""
+    import threading
+
+    threading.Thread(target=lambda: rc.Communicator(transport=ctx.transport), daemon=True).start()
+    time.sleep(0.5)  # long enough to publish its first record
+
+
+def t_wait_then_construct(ctx, delay_s, timeout_ms):
+    time.sleep(delay_s)
+    return t_construct(ctx, timeout_ms)
+
+
+@pytest.mark.parametrize("transport", KILL_TRANSPORTS)
+def test_construction_is_bounded_when_a_rank_never_constructs(transport):
+    world = World(2, transport)
+    try:
+        [(message, elapsed, segments)] = world.run(t_construct, 1500, ranks=[0])
+        assert message is not None and "ranks [1] did not arrive" in message and "1500 ms" in message, message
+        assert 1.4 < elapsed < 2.5, elapsed
+        assert segments == []
+    finally:
+        world.kill()
+
+
+@pytest.mark.parametrize("transport", KILL_TRANSPORTS)
+def test_construction_raises_at_once_when_a_rank_is_killed_during_it(transport):
+    world = World(2, transport)
+    pids = [p.pid for p in world.procs]
+    try:
+        world.run(t_construct_in_background, ranks=[1])
+        world.kill_rank(1)  # SIGKILL while its construction waits
+        [(message, elapsed, segments)] = world.run(t_wait_then_construct, 0.0, 60_000, ranks=[0])
+        assert message is not None and "ranks [1] exited during construction" in message, message
+        assert elapsed < 5.0, elapsed  # the liveness check, not the 60 s bound
+        assert segments == []
     finally:
         world.kill()
     assert shm_segments(*pids) == []

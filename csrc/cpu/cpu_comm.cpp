@@ -402,16 +402,26 @@ class CpuComm final : public Comm {
   void finish_op(int op, uint64_t gen) { *layout_.counter(signals(cfg_.rank), op) = gen; }
 
   // Bounded wait for `*flag >= gen` (why `>=`: protocol.h, at HeadSlot) that
-  // yields the core: tests run 4 ranks on 2 cores.
+  // yields the core (tests run 4 ranks on 2 cores) and stops early once a
+  // peer's process has exited.
   void wait_at_least(const uint64_t* flag, uint64_t gen, int op, int peer) {
     if (load_acquire(flag) >= gen) return;
     const auto start = Clock::now();
     const auto limit = std::chrono::milliseconds(cfg_.timeout_ms);
+    auto next_liveness_check = start + std::chrono::milliseconds(kLivenessPeriodMs);
     while (load_acquire(flag) < gen) {
-      const auto waited = Clock::now() - start;
+      const auto now = Clock::now();
+      const auto waited = now - start;
       if (waited > limit) {
         failure_ = timeout_message(op, peer, gen);
         TORCH_CHECK(false, failure_);
+      }
+      if (now >= next_liveness_check) {
+        next_liveness_check = now + std::chrono::milliseconds(kLivenessPeriodMs);
+        if (const int gone = exited_peer(); gone >= 0) {
+          failure_ = exit_message(gone);
+          TORCH_CHECK(false, failure_);
+        }
       }
       if (waited < std::chrono::milliseconds(2))
         sched_yield();

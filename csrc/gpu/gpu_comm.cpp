@@ -5,8 +5,12 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <sstream>
+#include <thread>
 
 #include "../comm.h"
 #include "kernels.h"
@@ -42,17 +46,22 @@ DType dtype_of(at::ScalarType t) {
 class GpuComm final : public Comm {
  public:
   explicit GpuComm(CommConfig cfg) : Comm(std::move(cfg)) {
-    TORCH_CHECK(cfg_.world <= kMaxGpuWorld, "rdna4_comm: the GPU transport supports at most ", kMaxGpuWorld,
-                " ranks");
-    TORCH_CHECK(cfg_.device_index >= 0, "rdna4_comm: the GPU transport needs a device index");
-    TORCH_CHECK_VALUE(cfg_.cap <= kMaxGpuTokensPerRank, "Communicator: max_tokens_per_rank must be at most ",
-                      kMaxGpuTokensPerRank, " on the GPU transport, got ", cfg_.cap);
+    // Communicator validated the configuration; Env's arrays depend on this.
+    TORCH_INTERNAL_ASSERT(cfg_.world <= kMaxGpuWorld && cfg_.device_index >= 0 && cfg_.cap <= kMaxGpuTokensPerRank);
     env_.layout = layout_;
     env_.rank = cfg_.rank;
     env_.world = cfg_.world;
   }
 
   ~GpuComm() override {
+    if (watchdog_.joinable()) {
+      {
+        std::lock_guard<std::mutex> g(watchdog_mutex_);
+        stop_watchdog_ = true;
+      }
+      watchdog_wake_.notify_all();
+      watchdog_.join();
+    }
     // Ops were drained by Communicator.close(); errors here cannot be raised.
     c10::cuda::CUDAGuard guard(cfg_.device_index);
     for (int r = 0; r < cfg_.world; ++r) {
@@ -152,8 +161,27 @@ class GpuComm final : public Comm {
   at::Device device() const override { return at::Device(at::kCUDA, c10::DeviceIndex(cfg_.device_index)); }
 
   void check() override {
-    const uint64_t word = *static_cast<volatile uint64_t*>(error_host_);
-    if (word != 0) TORCH_CHECK(false, timeout_message(timeout_op(word), timeout_peer(word), timeout_gen(word)));
+    const uint64_t word = __atomic_load_n(error_host_, __ATOMIC_ACQUIRE);
+    if (word == 0) return;
+    TORCH_CHECK(timeout_op(word) != kOpPeerExited, exit_message(timeout_peer(word)));
+    TORCH_CHECK(false, timeout_message(timeout_op(word), timeout_peer(word), timeout_gen(word)));
+  }
+
+  // Kernels cannot see a peer's process, so a host thread watches it: when
+  // one exits, the thread leaves the abort word that every spin polls, and
+  // waiting kernels stop within a poll instead of at the timeout.
+  void watch_peers(const std::vector<PeerProcess>& peers) override {
+    Comm::watch_peers(peers);
+    if (watched_.empty() || watchdog_.joinable()) return;
+    watchdog_ = std::thread([this] {
+      std::unique_lock<std::mutex> lock(watchdog_mutex_);
+      while (!watchdog_wake_.wait_for(lock, std::chrono::milliseconds(kLivenessPeriodMs),
+                                      [this] { return stop_watchdog_; })) {
+        if (__atomic_load_n(error_host_, __ATOMIC_ACQUIRE) != 0) continue;
+        const int gone = exited_peer();
+        if (gone >= 0) __atomic_store_n(error_host_, encode_timeout(kOpPeerExited, gone, 0), __ATOMIC_RELEASE);
+      }
+    });
   }
 
  protected:
@@ -224,6 +252,10 @@ class GpuComm final : public Comm {
   Env env_;
   uint64_t* error_host_ = nullptr;
   int32_t* probe_result_ = nullptr;
+  std::thread watchdog_;
+  std::mutex watchdog_mutex_;
+  std::condition_variable watchdog_wake_;
+  bool stop_watchdog_ = false;
 };
 
 }  // namespace

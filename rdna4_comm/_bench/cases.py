@@ -1,13 +1,8 @@
-"""What the benchmarks and the demo time (package-internal): each rdna4_comm op
-next to its torch.distributed equivalent on the same inputs, as
-:class:`~rdna4_comm._timing.Op` lists for :func:`~rdna4_comm._timing.measure`,
-with the check every result passes before it is timed.
-
-Inputs come from :func:`pattern`: small signed integers times a power of two,
-each a hash of (rank, row, column). Sums of them over up to 32 ranks are exact
-in their dtype whatever the order, so the baselines, which sum in an order of
-their own, are checked bitwise too; and every rank can build any rank's inputs
-(or some columns of them) without communication.
+"""What the benchmarks and the demo time: each rdna4_comm op next to its
+torch.distributed equivalent on the same inputs, as
+:class:`~rdna4_comm._bench.timing.Op` lists for
+:func:`~rdna4_comm._bench.timing.measure`, with the check every result passes
+before it is timed. Inputs come from :func:`~rdna4_comm._bench.checks.pattern`.
 """
 from __future__ import annotations
 
@@ -17,9 +12,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import reference
-from ._timing import Ctx, Op, Stats
-from .communicator import Communicator
+from .. import reference
+from ..communicator import Communicator
+from .checks import assert_dispatched, assert_same, pattern
+from .timing import Op, Stats
+from .world import BenchRank
 
 # torch 2.13 renamed these two (the old names warn); older versions have only the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -36,43 +33,9 @@ ALLREDUCE_BITS = 16  # fp32: 16-bit values, sums over 32 ranks stay within 24 bi
 EP_BITS = 4  # bf16/fp16: |value| <= 8, sums over 32 ranks stay within 8 bits
 
 
-def pattern(rank: int, rows: int, cols: int, dtype: torch.dtype, device, *, bits: int,
-            width: Optional[int] = None) -> torch.Tensor:
-    """Rank ``rank``'s deterministic input: the first ``cols`` columns of a
-    [rows, width] tensor (width defaults to cols). Values are nonzero integers
-    in [-(2^(bits-1)-1), 2^(bits-1)] times 2^-(bits//2)."""
-    width = cols if width is None else width
-    # k < 2^31 keeps k * 2654435761 within int64.
-    assert (rank + 1) * rows * width < 2**31, "pattern: tensor too large for the hash"
-    t = torch.arange(rows, device=device, dtype=torch.int64).unsqueeze(1)
-    h = torch.arange(cols, device=device, dtype=torch.int64).unsqueeze(0)
-    k = (rank * rows + t) * width + h
-    half = 2 ** (bits - 1)
-    v = ((k * 2654435761) >> 8) % (2 * half - 1) - (half - 1)  # Knuth's multiplicative hash
-    v = torch.where(v == 0, torch.full_like(v, half), v)
-    return (v.to(torch.float32) * 2.0 ** -(bits // 2)).to(dtype)
-
-
-def assert_same(actual: torch.Tensor, expected: torch.Tensor, what: str = "tensors") -> None:
-    """Raise AssertionError unless dtype, shape and every byte agree (the tests
-    use it too)."""
-    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    a = actual.detach().cpu().contiguous()
-    e = expected.detach().cpu().contiguous()
-    if not torch.equal(a.reshape(-1).view(torch.uint8), e.reshape(-1).view(torch.uint8)):
-        bad = (a != e).nonzero()
-        if len(bad):
-            at = tuple(bad[0].tolist())
-            where = f"first at {at}: {a[at].item()} != {e[at].item()}"
-        else:
-            where = "all equal by value (NaN payloads or signed zeros differ)"
-        raise AssertionError(f"{what}: {len(bad)} of {a.numel()} elements differ bitwise; {where}")
-
-
 def record(op: str, tokens: int, hidden: int, dtype: torch.dtype, ops: list[Op], stats: dict[str, Stats]) -> dict:
     """What a worker emits for one measured configuration (see
-    :func:`~rdna4_comm._timing.comparison_table`); ``bytes`` is the payload
+    :mod:`~rdna4_comm._bench.report`); ``bytes`` is the payload
     per rank."""
     return {
         "op": op,
@@ -88,7 +51,7 @@ def record(op: str, tokens: int, hidden: int, dtype: torch.dtype, ops: list[Op],
 # -------------------------------------------------------------- all_reduce
 
 
-def allreduce_ops(ctx: Ctx, comm: Communicator, tokens: int, hidden: int,
+def allreduce_ops(ctx: BenchRank, comm: Communicator, tokens: int, hidden: int,
                   symm: Optional["SymmMemOneShot"] = None) -> list[Op]:
     """fp32 sum of a [tokens, hidden] tensor over the ranks: rdna4_comm
     (out of place: copies the input in, returns a new tensor) against
@@ -129,7 +92,7 @@ class SymmMemOneShot:
         self.buf, self.group_name = buf, group_name
 
     @classmethod
-    def create(cls, ctx: Ctx, max_numel: int) -> Optional["SymmMemOneShot"]:
+    def create(cls, ctx: BenchRank, max_numel: int) -> Optional["SymmMemOneShot"]:
         """Collective. None, with a note, where torch lacks it or it fails to set up."""
         error = None
         try:
@@ -170,7 +133,7 @@ def ep_routing(rank: int, tokens: int, topk: int, num_experts: int, seed: int):
     return idx, torch.rand(tokens, topk, generator=g)
 
 
-def _reduce_scatter_fn(ctx: Ctx, tokens: int):
+def _reduce_scatter_fn(ctx: BenchRank, tokens: int):
     """(fn(out, inp), description) for the baseline's reduce-scatter of [W*T, H]
     into [T, H]: reduce_scatter_tensor, or, where the group lacks it (gloo in
     some torch versions), an all_reduce of the whole tensor and this rank's slice."""
@@ -186,7 +149,7 @@ def _reduce_scatter_fn(ctx: Ctx, tokens: int):
     return (lambda out, inp: _reduce_scatter(out, inp, group=ctx.group)), "reduce_scatter_tensor"
 
 
-def ep_ops(ctx: Ctx, comm: Communicator, tokens: int, seed: int = 0) -> list[Op]:
+def ep_ops(ctx: BenchRank, comm: Communicator, tokens: int, seed: int = 0) -> list[Op]:
     """One MoE layer's communication for ``tokens`` tokens per rank, with the
     communicator's hidden size, top-k, experts and dtype, and fp32 weights;
     the expert step is left out (identity: the received rows go straight back).
@@ -221,12 +184,8 @@ def ep_ops(ctx: Ctx, comm: Communicator, tokens: int, seed: int = 0) -> list[Op]
         cols = min(H, max(1, EP_CHECK_BUDGET // (W * W * cap)))
         xs = [pattern(r, T, cols, dtype, "cpu", bits=EP_BITS, width=H) for r in range(W)]
         ref = reference.dispatch(xs, idxs, ws, num_experts=E, max_tokens_per_rank=cap)
-        mine, part = ref[rank], f"[:, :{cols}]" if cols < H else ""
-        for field in ("counts", "topk_idx", "topk_weights"):
-            assert_same(getattr(d, field), getattr(mine, field), f"dispatch {field} vs reference")
-        assert_same(d.x[:, :cols], mine.x, f"dispatch x{part} vs reference")
-        for field in ("recv_src", "counts", "src_tokens", "send_mask"):
-            assert_same(getattr(d.handle, field), getattr(mine.handle, field), f"dispatch handle.{field} vs reference")
+        part = f"[:, :{cols}]" if cols < H else ""
+        assert_dispatched(d, ref[rank], "dispatch vs reference:", cols)
         expected = reference.combine([r.x for r in ref], ref)[rank]
         assert_same(out[:, :cols], expected, f"combine{part} vs reference")
         assert_same(out, round_trip, "combine(dispatch(x).x) == x * destination ranks")

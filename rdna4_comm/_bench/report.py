@@ -1,0 +1,139 @@
+"""What the benchmarks and the demo print about measured configurations: the
+side-by-side table, the speedup summary and the speedup heatmap.
+
+A configuration record (:func:`~rdna4_comm._bench.cases.record`) is a dict
+with "op", "tokens", "hidden", "dtype", "bytes", "stats" ({backend:
+:class:`~rdna4_comm._bench.timing.Stats`}) and "details" ({backend: what was
+timed}). The speedup of rdna4_comm over a baseline is :func:`speedup`.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+from .timing import Stats
+
+
+def speedup(stats: dict[str, Stats], backend: str) -> float:
+    """rdna4_comm's speedup over ``backend`` in one configuration: its p50 /
+    rdna4_comm's p50 (> 1: rdna4_comm is faster; 1.0 for rdna4_comm itself)."""
+    return stats[backend].p50_us / stats["rdna4_comm"].p50_us
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain-text table: numeric columns right-aligned, floats with 2 decimals
+    below 100 and none above, NaN as "-"."""
+
+    def cell(v) -> str:
+        if isinstance(v, float):
+            if math.isnan(v):
+                return "-"
+            return f"{v:.2f}" if abs(v) < 100 else f"{v:.0f}"
+        return str(v)
+
+    cells = [list(header)] + [[cell(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    numeric = [all(isinstance(row[i], (int, float)) for row in rows) for i in range(len(header))]
+    lines = []
+    for n, r in enumerate(cells):
+        lines.append("  ".join(c.rjust(w) if numeric[i] else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def comparison_table(records: Sequence[dict]) -> str:
+    """One line per measured configuration: its shape, the p50 of rdna4_comm
+    and, for every other backend, its p50 and the speedup of rdna4_comm over
+    it (:func:`speedup`)."""
+    others: list[str] = []
+    for rec in records:
+        others += [b for b in rec["stats"] if b != "rdna4_comm" and b not in others]
+    header = ["op", "tokens", "hidden", "MiB/rank", "rdna4_comm p50 us"]
+    for b in others:
+        header += [f"{b} p50 us", f"x vs {b}"]
+    rows = []
+    for rec in records:
+        stats = rec["stats"]
+        row = [rec["op"], rec["tokens"], rec["hidden"], rec["bytes"] / 2**20, stats["rdna4_comm"].p50_us]
+        for b in others:
+            row += [stats[b].p50_us, speedup(stats, b)] if b in stats else [math.nan, math.nan]
+        rows.append(row)
+    return format_table(header, rows)
+
+
+def speedups(records: list[dict]) -> dict[str, list[float]]:
+    """Per baseline, rdna4_comm's speedup over it in every configuration it ran."""
+    out: dict[str, list[float]] = {}
+    for rec in records:
+        for b in rec["stats"]:
+            if b != "rdna4_comm":
+                out.setdefault(b, []).append(speedup(rec["stats"], b))
+    return out
+
+
+def summary(records: list[dict]) -> str:
+    """The comparison table, what each backend timed, and per baseline the
+    geometric-mean and the minimum speedup of rdna4_comm."""
+    lines = [comparison_table(records), ""]
+    details: dict[str, str] = {}
+    for rec in records:
+        details.update(rec["details"])
+    lines += [f"{b}: {d}" for b, d in details.items()]
+    for b, ratios in speedups(records).items():
+        geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+        worst = min(range(len(ratios)), key=ratios.__getitem__)
+        rec = [r for r in records if b in r["stats"]][worst]
+        lines.append(f"speedup of rdna4_comm over {b}: geomean {geomean:.2f}x, min {ratios[worst]:.2f}x "
+                     f"(tokens {rec['tokens']}, hidden {rec['hidden']}), over {len(ratios)} configurations")
+    return "\n".join(lines)
+
+
+def save_heatmap(records: list[dict], path: Path, title: str) -> None:
+    """A PNG of rdna4_comm's speedup over each baseline on the hidden x tokens
+    grid (green: rdna4_comm faster), or a note where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.colors import LogNorm
+        from matplotlib.ticker import FuncFormatter, NullFormatter
+    except ImportError:
+        print(f"note: matplotlib is not installed; no heatmap (pip install matplotlib for {path.name})")
+        return
+    import numpy as np
+
+    ratios = speedups(records)
+    if not ratios:
+        return
+    hiddens = sorted({r["hidden"] for r in records})
+    tokens = sorted({r["tokens"] for r in records})
+    spread = max(1.25, *(max(r, 1 / r) for v in ratios.values() for r in v))
+    panel_w = max(4.0, 1.8 + 0.9 * len(hiddens))
+    fig, axes = plt.subplots(1, len(ratios), figsize=(panel_w * len(ratios), 1.8 + 0.45 * len(tokens)), squeeze=False)
+    for ax, baseline in zip(axes[0], ratios):
+        grid = np.full((len(tokens), len(hiddens)), np.nan)
+        for rec in records:
+            if baseline in rec["stats"]:
+                grid[tokens.index(rec["tokens"]), hiddens.index(rec["hidden"])] = speedup(rec["stats"], baseline)
+        image = ax.imshow(np.ma.masked_invalid(grid), cmap="RdYlGn", norm=LogNorm(1 / spread, spread),
+                          aspect="auto", origin="lower")
+        for (i, j), v in np.ndenumerate(grid):
+            if not np.isnan(v):
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(hiddens)), [str(h) for h in hiddens])
+        ax.set_yticks(range(len(tokens)), [str(t) for t in tokens])
+        ax.set_xlabel("hidden")
+        ax.set_ylabel("tokens per rank")
+        ax.set_title(f"vs {baseline}", fontsize=10)
+        bar = fig.colorbar(image, ax=ax, label="speedup (baseline p50 / rdna4_comm p50)")
+        bar.set_ticks([spread ** (k / 2) for k in range(-2, 3)])  # symmetric about 1 on the log scale
+        bar.ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.2g}"))
+        bar.ax.yaxis.set_minor_formatter(NullFormatter())
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    print(f"heatmap: {path}")

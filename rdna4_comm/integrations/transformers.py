@@ -1,0 +1,307 @@
+"""Hugging Face transformers blocks on a :class:`rdna4_comm.Communicator`.
+
+- :class:`ExpertParallelMoEBlock` turns an MoE block (Mixtral, Qwen2-MoE,
+  Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-OSS, Llama-4) into its expert-parallel
+  form::
+
+      router -> comm.dispatch -> the block's own experts -> comm.combine (+ shared experts)
+
+  It keeps the block's router, its experts module (with its
+  ``experts_implementation``: eager, grouped_mm, batched_mm, ...) and its
+  shared experts; each rank holds only its experts, global ids
+  ``[rank*E/W, (rank+1)*E/W)``.
+- :class:`TensorParallelMLP` turns a LlamaMLP-style block (``gate_proj``,
+  ``up_proj``, ``down_proj``, ``act_fn``) into its tensor-parallel form:
+  gate/up column-parallel, down row-parallel, ``comm.all_reduce`` of the
+  partial sums.
+
+:class:`ExpertParallelMoEBlock` takes the block's modules over and cuts its
+experts module down to this rank's experts in place: do not use the block
+afterwards. :class:`TensorParallelMLP` copies its slices and leaves the MLP
+as it was. Both run forward only (the ops have no autograd) and compile with
+``torch.compile(fullgraph=True)`` where the block's own code does; see
+docs/integrations.md.
+
+This module does not import transformers: blocks are recognised by their class
+names (:data:`ADAPTERS`), so ``import rdna4_comm`` stays free of it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..communicator import Communicator
+
+
+class Routing(NamedTuple):
+    """A router's decision for T tokens."""
+
+    topk_idx: torch.Tensor  # [T, K] global expert ids, as the router returns them (int64)
+    topk_weights: torch.Tensor  # [T, K], in the router's dtype
+    logits: torch.Tensor  # [T, E], for blocks that return them
+
+
+def _route_topk(router: nn.Module, x: torch.Tensor) -> Routing:
+    """The HF top-k routers: ``router(x) -> (logits, topk_weights, topk_idx)``."""
+    logits, weights, idx = router(x)
+    return Routing(idx, weights, logits)
+
+
+def _route_llama4(router: nn.Module, x: torch.Tensor) -> Routing:
+    """Llama4Router returns dense scores ``[T, E]`` (sigmoid of the top-k logits,
+    0 elsewhere) and the logits. The same ``topk`` call on the same logits gives
+    the router's own ids."""
+    scores, logits = router(x)
+    idx = torch.topk(logits, router.top_k, dim=1).indices
+    return Routing(idx, scores.gather(1, idx), logits)
+
+
+def _run_experts(experts: nn.Module, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The HF experts modules: ``experts(x, idx, weights)`` applies the weights
+    and sums each row over its slots, skipping the id ``num_experts``."""
+    return experts(x, idx, weights)
+
+
+def _run_llama4_experts(experts: nn.Module, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Llama4TextExperts runs every expert on every row, with the routing weight
+    applied to its input (as Llama4TextMoe does with its dense scores): build
+    those scores for the local experts, the extra column taking the non-local
+    marker ``num_experts``, then sum the experts' outputs per row."""
+    n = experts.num_experts
+    scores = weights.new_zeros(x.shape[0], n + 1).scatter_add_(1, idx, weights)[:, :n]
+    routed_in = x.repeat(n, 1) * scores.t().reshape(-1, 1)
+    return experts(routed_in).view(n, x.shape[0], x.shape[1]).sum(dim=0)
+
+
+def _hidden(out: torch.Tensor, routing: Routing) -> torch.Tensor:
+    return out
+
+
+@dataclass(frozen=True)
+class MoEAdapter:
+    """Where one family of HF MoE blocks differs from the others.
+
+    Args:
+        router: attribute name of the block's router.
+        route: ``route(router, x [T, H]) -> Routing``.
+        run_experts: ``run_experts(experts, rows [N, H], local ids [N, K], weights [N, K]) -> [N, H]``:
+            each row's weighted sum over its slots; ids equal to
+            ``experts.num_experts`` mark slots of other ranks and must add nothing.
+        shared: ``shared(ep_block, x [T, H]) -> [T, H]``, the shared experts on
+            the rank's own tokens (``ep_block`` holds the block's submodules
+            under their names), or None.
+        output: ``output(out, routing)`` -> what the block's forward returns,
+            given ``out`` in the input's shape.
+        eager_skips_marker: whether the experts module's "eager" forward skips
+            the id ``num_experts`` (a one-hot over ``num_experts + 1`` classes).
+    """
+
+    router: str = "gate"
+    route: Callable[[nn.Module, torch.Tensor], Routing] = _route_topk
+    run_experts: Callable[..., torch.Tensor] = _run_experts
+    shared: Optional[Callable[[nn.Module, torch.Tensor], torch.Tensor]] = None
+    output: Callable[[torch.Tensor, Routing], Any] = _hidden
+    eager_skips_marker: bool = True
+
+
+def _qwen2_moe_shared(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+
+
+# Keyed by class name so that this module needs no transformers import; a
+# subclass of a listed block finds its base's adapter (see adapter_for).
+ADAPTERS: dict[str, MoEAdapter] = {
+    "MixtralSparseMoeBlock": MoEAdapter(),
+    "Qwen3MoeSparseMoeBlock": MoEAdapter(),
+    "OlmoeSparseMoeBlock": MoEAdapter(),
+    "Qwen2MoeSparseMoeBlock": MoEAdapter(shared=_qwen2_moe_shared),
+    "DeepseekV3MoE": MoEAdapter(shared=lambda block, x: block.shared_experts(x)),
+    # GptOssExperts' eager forward one-hots over num_experts classes only, so
+    # the non-local id is out of range there; grouped_mm and batched_mm skip it.
+    "GptOssMLP": MoEAdapter(
+        router="router", output=lambda out, r: (out, r.topk_weights), eager_skips_marker=False
+    ),
+    # Llama4TextMoe returns the output flattened to [T, H], with the logits.
+    "Llama4TextMoe": MoEAdapter(
+        router="router",
+        route=_route_llama4,
+        run_experts=_run_llama4_experts,
+        shared=lambda block, x: block.shared_expert(x),
+        output=lambda out, r: (out.view(-1, out.shape[-1]), r.logits),
+    ),
+}
+
+
+def adapter_for(block: nn.Module) -> MoEAdapter:
+    """The adapter of ``block``'s class or of its nearest listed base class."""
+    for cls in type(block).__mro__:
+        if cls.__name__ in ADAPTERS:
+            return ADAPTERS[cls.__name__]
+    raise TypeError(
+        f"no MoE adapter for {type(block).__name__}; pass adapter=MoEAdapter(...) "
+        f"(known blocks: {', '.join(ADAPTERS)})"
+    )
+
+
+def _keep_local_experts(experts: nn.Module, comm: Communicator) -> None:
+    """Cut every per-expert parameter ([E, ...]) down to this rank's experts and
+    tell the module it holds ``E/W`` of them, as HF's own expert sharding does."""
+    mine = slice(comm.local_experts.start, comm.local_experts.stop)
+    for name, p in list(experts.named_parameters(recurse=False)):
+        if p.shape[0] != comm.num_experts:
+            raise ValueError(
+                f"experts.{name} has shape {tuple(p.shape)}; every experts parameter must have "
+                f"num_experts ({comm.num_experts}) rows in dim 0"
+            )
+        setattr(experts, name, nn.Parameter(p.data[mine].clone(), requires_grad=p.requires_grad))
+    experts.num_experts = comm.num_local_experts
+    # Set by transformers' use_experts_implementation: its grouped_mm and
+    # batched_mm forwards mask the non-local id only when this is set.
+    if hasattr(experts, "_is_expert_parallel"):
+        experts._is_expert_parallel = True
+
+
+class ExpertParallelMoEBlock(nn.Module):
+    """The expert-parallel form of a Hugging Face MoE block.
+
+    Every rank builds it from an identical block (same weights) and the same
+    communicator. Per forward, on each rank's own tokens:
+
+    1. the block's router picks the top-k experts and their weights;
+    2. ``comm.dispatch`` sends each token to the ranks that own its experts;
+    3. the block's experts module, holding this rank's ``E/W`` experts, runs on
+       all ``W*cap`` received rows: weighted by the received routing weights
+       and summed over each row's local slots (padding rows have no local slot
+       and give zeros), so shapes stay static;
+    4. ``comm.combine`` sums each token's rows from its destination ranks;
+    5. the shared experts, where the block has them, are added as the block
+       adds them.
+
+    Args:
+        block: the HF block (e.g. ``MixtralSparseMoeBlock``). Its submodules
+            move into this module under the same names (so state-dict keys
+            match the block's); its experts module is cut down to this rank's
+            experts in place.
+        comm: a communicator with EP fields: ``hidden``, ``topk`` and
+            ``num_experts`` of the block, ``dtype`` of the block's weights and
+            ``max_tokens_per_rank`` at least the tokens (batch x sequence) of
+            one forward.
+        adapter: how this block family differs (default: ``adapter_for(block)``).
+
+    ``forward(hidden_states)`` takes what the block takes (``[B, S, H]``, or any
+    ``[..., H]``) and returns what it returns, e.g. ``(hidden, router_scores)``
+    for GPT-OSS. Every rank must call it the same number of times, with zero
+    tokens too: dispatch and combine are collectives.
+    """
+
+    def __init__(self, block: nn.Module, comm: Communicator, adapter: Optional[MoEAdapter] = None):
+        super().__init__()
+        self.adapter = adapter if adapter is not None else adapter_for(block)
+        self.comm = comm
+        for name, child in block.named_children():
+            self.add_module(name, child)
+        router, experts = getattr(self, self.adapter.router), self.experts
+        found = dict(hidden=router.weight.shape[1], topk=router.top_k, num_experts=experts.num_experts)
+        expected = dict(hidden=comm.hidden, topk=comm.topk, num_experts=comm.num_experts)
+        if found != expected:
+            raise ValueError(f"{type(block).__name__} has {found}, the communicator {expected}")
+        weight_dtype = next(experts.parameters()).dtype
+        if weight_dtype != comm.dtype:
+            raise TypeError(f"{type(block).__name__} weights are {weight_dtype}, the communicator's dtype {comm.dtype}")
+        implementation = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+        if not self.adapter.eager_skips_marker and implementation in (None, "eager"):
+            raise ValueError(
+                f"{type(experts).__name__}'s eager forward cannot skip the experts of other ranks; "
+                "build the model with experts_implementation='grouped_mm' or 'batched_mm'"
+            )
+        _keep_local_experts(experts, comm)
+
+    def forward(self, hidden_states: torch.Tensor):
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        routing = self.adapter.route(getattr(self, self.adapter.router), x)
+        # Routing goes through in the router's dtypes (int64 ids; fp32 or
+        # bf16 weights), which the HF experts expect.
+        d = self.comm.dispatch(x, routing.topk_idx, routing.topk_weights)
+        # The library marks a slot whose expert lives on another rank (and
+        # every slot of a padding row) with -1; HF experts skip the id
+        # num_local_experts instead. Weights there are 0 either way.
+        local_idx = torch.where(d.topk_idx < 0, self.comm.num_local_experts, d.topk_idx)
+        y = self.adapter.run_experts(self.experts, d.x, local_idx, d.topk_weights)
+        out = self.comm.combine(y, d.handle)
+        if self.adapter.shared is not None:
+            out = out + self.adapter.shared(self, x)
+        return self.adapter.output(out.view(hidden_states.shape), routing)
+
+
+def _column_shard(linear: nn.Linear, rows: slice) -> nn.Linear:
+    """Output features ``rows`` of ``linear`` (weight rows and bias)."""
+    part = nn.Linear(linear.in_features, rows.stop - rows.start, bias=linear.bias is not None,
+                     device=linear.weight.device, dtype=linear.weight.dtype)
+    with torch.no_grad():
+        part.weight.copy_(linear.weight[rows])
+        if linear.bias is not None:
+            part.bias.copy_(linear.bias[rows])
+    return part
+
+
+def _row_shard(linear: nn.Linear, cols: slice) -> nn.Linear:
+    """Input features ``cols`` of ``linear`` (weight columns); the bias is kept
+    whole, to be added once after the reduction."""
+    part = nn.Linear(cols.stop - cols.start, linear.out_features, bias=linear.bias is not None,
+                     device=linear.weight.device, dtype=linear.weight.dtype)
+    with torch.no_grad():
+        part.weight.copy_(linear.weight[:, cols])
+        if linear.bias is not None:
+            part.bias.copy_(linear.bias)
+    return part
+
+
+class TensorParallelMLP(nn.Module):
+    """The tensor-parallel form of a LlamaMLP-style block,
+    ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``.
+
+    Rank ``r`` holds rows ``[r*I/W, (r+1)*I/W)`` of ``gate_proj`` and ``up_proj``
+    (column-parallel) and the same columns of ``down_proj`` (row-parallel), so
+    its down projection is a partial sum of the output, in the MLP's dtype;
+    ``comm.all_reduce`` adds the partial sums in fp32 in rank order, rounded
+    once, bitwise identical on every rank. Every rank passes the same ``x``.
+
+    The reduction is kept apart from the rest (:meth:`partial_sum`) so that a
+    decoder layer can hand the partial sum to a fused all_reduce + residual +
+    RMSNorm instead of calling :meth:`forward`.
+
+    Args:
+        mlp: a module with ``gate_proj``, ``up_proj``, ``down_proj``
+            (``nn.Linear``) and ``act_fn`` (``activation_fn`` in Llama-4), e.g.
+            ``LlamaMLP``, ``Qwen3MoeMLP``, ``DeepseekV3MLP``. Not changed.
+        comm: any communicator of the group (EP fields not needed); the
+            intermediate size must be a multiple of its world size.
+    """
+
+    def __init__(self, mlp: nn.Module, comm: Communicator):
+        super().__init__()
+        intermediate = mlp.gate_proj.out_features
+        if intermediate % comm.world_size:
+            raise ValueError(
+                f"intermediate size {intermediate} is not a multiple of the world size {comm.world_size}"
+            )
+        n = intermediate // comm.world_size
+        mine = slice(comm.rank * n, (comm.rank + 1) * n)
+        self.comm = comm
+        self.gate_proj = _column_shard(mlp.gate_proj, mine)
+        self.up_proj = _column_shard(mlp.up_proj, mine)
+        self.down_proj = _row_shard(mlp.down_proj, mine)
+        self.act_fn = mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn
+
+    def partial_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output, before the reduction and without
+        ``down_proj``'s bias (added once, after it)."""
+        return F.linear(self.act_fn(self.gate_proj(x)) * self.up_proj(x), self.down_proj.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.comm.all_reduce(self.partial_sum(x))
+        return out if self.down_proj.bias is None else out + self.down_proj.bias
