@@ -402,7 +402,8 @@ class CpuComm final : public Comm {
   void finish_op(int op, uint64_t gen) { *layout_.counter(signals(cfg_.rank), op) = gen; }
 
   // Bounded wait for `*flag >= gen` (why `>=`: protocol.h, at HeadSlot) that
-  // yields the core: tests run 4 ranks on 2 cores.
+  // yields the core (tests run 4 ranks on 2 cores) and stops early once a
+  // peer's process has exited.
   void wait_at_least(const uint64_t* flag, uint64_t gen, int op, int peer) {
     if (load_acquire(flag) >= gen) return;
     const auto start = Clock::now();
