@@ -112,6 +112,9 @@ def test_every_dispatch_field_under_replay(worlds):
     cfg = graph_cfg(W)
     for k, i in enumerate((7, 8, 9)):
         xs, idxs, ws = zip(*(replay_inputs(r, W, i)[:3] for r in range(W)))
-        ref = reference.dispatch(list(xs), list(idxs), list(ws), num_experts=cfg["num_experts"], max_tokens_per_rank=CAP)
+        # Replays copy new ids into the captured id tensor, which keeps its dtype.
+        captured = [replay_inputs(r, W, 7)[1].dtype for r in range(W)]
+        idxs = [idx.to(dt) for idx, dt in zip(idxs, captured)]
+        ref = reference.dispatch(list(xs), idxs, list(ws), num_experts=cfg["num_experts"], max_tokens_per_rank=CAP)
         for r in range(W):
             assert_dispatched(per_rank[r][k], ref[r], f"replay {i} rank {r}")
