@@ -7,14 +7,16 @@ The backend follows the installed torch:
     for PYTORCH_ROCM_ARCH (default gfx1201)
 RDNA4_COMM_BACKEND=cpu|cuda|rocm forces the choice (e.g. a GPU-less build host).
 """
+import glob
 import os
 
 import torch
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
-CPU_SOURCES = ["csrc/ops.cpp", "csrc/comm.cpp", "csrc/cpu_transport.cpp"]
-GPU_SOURCES = ["csrc/gpu/gpu_comm.cpp", "csrc/gpu/kernels.cu"]
+CPU_SOURCES = ["csrc/ops.cpp", "csrc/comm.cpp", "csrc/cpu/cpu_comm.cpp"]
+# One .cu per op family (all_reduce, dispatch, combine, probe).
+GPU_SOURCES = ["csrc/gpu/gpu_comm.cpp"] + sorted(glob.glob("csrc/gpu/*.cu"))
 
 
 def select_backend() -> str:

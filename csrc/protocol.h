@@ -8,11 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#if defined(__CUDACC__) || defined(__HIPCC__)
-#define RC_HD __host__ __device__ inline
-#else
-#define RC_HD inline
-#endif
+#include "qualifiers.h"
 
 namespace rdna4_comm {
 
@@ -38,10 +34,17 @@ RC_HD const char* op_name(int op) {
                              : "p2p_probe";
 }
 
-// A flag word holds the generation of the op that wrote it. Generations grow
-// by one per op on every rank, so a reader waits for `flag >= gen`: a fast
-// peer may already have published gen + 1 into a slot of the same parity
-// only after this rank consumed gen - 1 (see Layout, parity).
+// A flag word holds the generation of the op that wrote it, and a reader of
+// op gen waits until `flag >= gen`. Why that is exact: a slot of parity
+// gen & 1 holds 0 from init, then the generations of that parity its one
+// writer published, so it only grows, and anything below gen is stale (an
+// older op of the same parity, or 0). Nothing above gen can be there before
+// this reader finished op gen: its writer stores gen + 2 only in op gen + 2,
+// which it starts after finishing op gen + 1, and finishing op gen + 1 needs
+// this rank's op gen + 1 flags, which this rank publishes only after it
+// finished op gen (stream order on the GPU, program order on the CPU). So
+// `>=` and `==` accept the same values; `>=` is the test that follows from
+// monotone flags alone.
 //
 // Slots with metadata: the writer stores the metadata with plain stores and
 // then the generation with a system-scope release; the reader acquires the
@@ -109,8 +112,33 @@ RC_HD int64_t allreduce_share(int64_t n, int world, int64_t elt) {
   const int64_t per_vec = 16 / elt;
   return ceil_div(ceil_div(n, world), per_vec) * per_vec;
 }
-// GPU all_reduce grid: one block per this many bytes of a rank's share.
+// Where rank o's share of an n-element chunk lies. One-shot: the whole chunk,
+// which every rank reduces. Two-shot: q = allreduce_share elements from o * q,
+// shorter or empty for the last ranks.
+struct AllReduceShares {
+  int64_t n, q;
+  bool one_shot;
+  RC_HD int64_t begin(int o) const { return one_shot ? 0 : o * q; }
+  RC_HD int64_t size(int o) const {
+    const int64_t s = n - begin(o);
+    return s < 0 ? 0 : (s < q ? s : q);
+  }
+};
+RC_HD AllReduceShares allreduce_shares(int64_t n, int world, int64_t elt, bool one_shot) {
+  return {n, one_shot ? n : allreduce_share(n, world, elt), one_shot};
+}
+
+// all_reduce grid: one block per this many bytes of a rank's share.
 constexpr int64_t kAllReduceBytesPerBlock = int64_t(32) << 10;
+// Element range [*e0, *e1) of piece b when an n-element share is cut into
+// `blocks` pieces of whole 16-byte vectors. Piece b has its own flag slot, so
+// writer and reader must cut a share alike: same function, same block count.
+RC_HD void allreduce_piece(int64_t n, int elt, int b, int blocks, int64_t* e0, int64_t* e1) {
+  const int64_t per_vec = 16 / elt;
+  const int64_t per = ceil_div(ceil_div(n, blocks), per_vec) * per_vec;
+  *e0 = per * b < n ? per * b : n;
+  *e1 = per * (b + 1) < n ? per * (b + 1) : n;
+}
 
 // A kernel that gives up on a peer leaves one 64-bit word in host-mapped
 // memory: bit 63 set, op in bits 56..62, peer in 48..55, generation below.
@@ -192,20 +220,20 @@ struct Layout {
   size_t payload_stride = 0;  // bytes of one hidden row, 16-byte aligned
   size_t row_stride = 0;      // dispatch row: payload, topk ids, weights, source token
 
-  size_t counters = 0;     // [kNumOps] own generation counters
-  size_t blocks_done = 0;  // [kNumOps] GPU: blocks finished in the running op
-  size_t ar_flags = 0;     // [2][2 phases][W][kMaxAllReduceBlocks] u64
-  size_t ep_heads = 0;     // [2][W] HeadSlot
-  size_t ep_chunks = 0;    // [2][W][max_chunks] ChunkSlot
-  size_t cb_flags = 0;     // [2][W][max_chunks] u64
-  size_t probe_flags = 0;  // [W] u64
+  size_t counters = 0;         // [kNumOps] own generation counters
+  size_t blocks_done = 0;      // [kNumOps] GPU: blocks finished in the running op
+  size_t ar_flags = 0;         // [2][2 phases][W][kMaxAllReduceBlocks] u64
+  size_t dispatch_heads = 0;   // [2][W] HeadSlot
+  size_t dispatch_chunks = 0;  // [2][W][max_chunks] ChunkSlot
+  size_t combine_flags = 0;    // [2][W][max_chunks] u64
+  size_t probe_flags = 0;      // [W] u64
   size_t signal_bytes = 0;
 
-  size_t ar_inbox = 0;     // [2][W][ar_slot_bytes]: input (one-shot) or scatter share (two-shot)
-  size_t ar_gather = 0;    // [2][W][ar_slot_bytes]: reduced shares (two-shot)
-  size_t ep_recv = 0;      // [2][W src][cap][row_stride]
-  size_t cb_inbox = 0;     // [2][W dst][cap][payload_stride]
-  size_t probe = 0;        // [W][kProbeBytes]
+  size_t ar_inbox = 0;       // [2][W][ar_slot_bytes]: input (one-shot) or scatter share (two-shot)
+  size_t ar_gather = 0;      // [2][W][ar_slot_bytes]: reduced shares (two-shot)
+  size_t dispatch_recv = 0;  // [2][W src][cap][row_stride]
+  size_t combine_inbox = 0;  // [2][W dst][cap][payload_stride]
+  size_t probe = 0;          // [W][kProbeBytes]
   size_t data_bytes = 0;
 
   RC_HD uint64_t* counter(char* sig, int op) const {
@@ -218,15 +246,15 @@ struct Layout {
     return reinterpret_cast<uint64_t*>(sig + ar_flags) +
            ((size_t(gen & 1) * 2 + phase) * world + src) * kMaxAllReduceBlocks + block;
   }
-  RC_HD HeadSlot* ep_head(char* sig, uint64_t gen, int src) const {
-    return reinterpret_cast<HeadSlot*>(sig + ep_heads) + size_t(gen & 1) * world + src;
+  RC_HD HeadSlot* dispatch_head(char* sig, uint64_t gen, int src) const {
+    return reinterpret_cast<HeadSlot*>(sig + dispatch_heads) + size_t(gen & 1) * world + src;
   }
-  RC_HD ChunkSlot* ep_chunk(char* sig, uint64_t gen, int src, int64_t chunk) const {
-    return reinterpret_cast<ChunkSlot*>(sig + ep_chunks) +
+  RC_HD ChunkSlot* dispatch_chunk(char* sig, uint64_t gen, int src, int64_t chunk) const {
+    return reinterpret_cast<ChunkSlot*>(sig + dispatch_chunks) +
            (size_t(gen & 1) * world + src) * max_chunks + chunk;
   }
-  RC_HD uint64_t* cb_flag(char* sig, uint64_t gen, int src, int64_t chunk) const {
-    return reinterpret_cast<uint64_t*>(sig + cb_flags) +
+  RC_HD uint64_t* combine_flag(char* sig, uint64_t gen, int src, int64_t chunk) const {
+    return reinterpret_cast<uint64_t*>(sig + combine_flags) +
            (size_t(gen & 1) * world + src) * max_chunks + chunk;
   }
   RC_HD uint64_t* probe_flag(char* sig, int src) const {
@@ -238,11 +266,11 @@ struct Layout {
   RC_HD char* ar_gather_slot(char* data, uint64_t gen, int owner) const {
     return data + ar_gather + (size_t(gen & 1) * world + owner) * size_t(ar_slot_bytes);
   }
-  RC_HD char* ep_row(char* data, uint64_t gen, int src, int64_t row) const {
-    return data + ep_recv + ((size_t(gen & 1) * world + src) * size_t(cap) + size_t(row)) * row_stride;
+  RC_HD char* dispatch_row(char* data, uint64_t gen, int src, int64_t row) const {
+    return data + dispatch_recv + ((size_t(gen & 1) * world + src) * size_t(cap) + size_t(row)) * row_stride;
   }
-  RC_HD char* cb_row(char* data, uint64_t gen, int dst, int64_t token) const {
-    return data + cb_inbox +
+  RC_HD char* combine_row(char* data, uint64_t gen, int dst, int64_t token) const {
+    return data + combine_inbox +
            ((size_t(gen & 1) * world + dst) * size_t(cap) + size_t(token)) * payload_stride;
   }
   RC_HD char* probe_buf(char* data, int src) const { return data + probe + size_t(src) * kProbeBytes; }
@@ -279,17 +307,17 @@ inline Layout make_layout(const HeapConfig& c) {
   l.counters = take(sizeof(uint64_t) * kNumOps);
   l.blocks_done = take(sizeof(uint64_t) * kNumOps);
   l.ar_flags = take(sizeof(uint64_t) * 2 * 2 * W * kMaxAllReduceBlocks);
-  l.ep_heads = take(sizeof(HeadSlot) * 2 * W);
-  l.ep_chunks = take(sizeof(ChunkSlot) * 2 * W * size_t(l.max_chunks));
-  l.cb_flags = take(sizeof(uint64_t) * 2 * W * size_t(l.max_chunks));
+  l.dispatch_heads = take(sizeof(HeadSlot) * 2 * W);
+  l.dispatch_chunks = take(sizeof(ChunkSlot) * 2 * W * size_t(l.max_chunks));
+  l.combine_flags = take(sizeof(uint64_t) * 2 * W * size_t(l.max_chunks));
   l.probe_flags = take(sizeof(uint64_t) * W);
   l.signal_bytes = off;
 
   off = 0;
   l.ar_inbox = take(2 * W * size_t(l.ar_slot_bytes));
   l.ar_gather = take(2 * W * size_t(l.ar_slot_bytes));
-  l.ep_recv = take(2 * W * size_t(c.cap) * l.row_stride);
-  l.cb_inbox = take(2 * W * size_t(c.cap) * l.payload_stride);
+  l.dispatch_recv = take(2 * W * size_t(c.cap) * l.row_stride);
+  l.combine_inbox = take(2 * W * size_t(c.cap) * l.payload_stride);
   l.probe = take(W * kProbeBytes);
   l.data_bytes = off;
   return l;

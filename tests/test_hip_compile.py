@@ -2,7 +2,7 @@
 CDNA3 (gfx942), and the gfx1201 code keeps the protocol's promises: flags are
 published with system-scope stores, every spin sleeps, no atomic reaches
 beyond the device (no peer atomics), waves are 32 lanes wide, and nothing
-spills to scratch.
+spills to scratch. Every .cu file (one per op family) is checked on its own.
 
 Needs clang++-19 and HIP headers (Debian: clang-19 libamdhip64-dev). Skipped
 without them unless RDNA4_COMM_REQUIRE_HIP=1 (set by .ci/run).
@@ -18,7 +18,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = ROOT / "csrc" / "gpu" / "kernels.cu"
+SOURCES = sorted((ROOT / "csrc" / "gpu").glob("*.cu"))
+# The kernels each file must define (a name may appear as several instantiations).
+KERNELS_OF = {
+    "all_reduce.cu": ["all_reduce_kernel"],
+    "dispatch.cu": ["dispatch_kernel"],
+    "combine.cu": ["combine_kernel"],
+    "probe.cu": ["probe_kernel"],
+}
 CLANG = shutil.which("clang++-19")
 HAVE_HIP = CLANG is not None and Path("/usr/include/hip/hip_runtime.h").exists()
 
@@ -28,10 +35,10 @@ if not HAVE_HIP:
     pytest.skip("clang++-19 and HIP headers not installed", allow_module_level=True)
 
 
-def compile_hip(arch: str, out_dir: Path) -> str:
-    out = out_dir / f"kernels_{arch}.s"
+def compile_hip(source: Path, arch: str, out_dir: Path) -> str:
+    out = out_dir / f"{source.stem}_{arch}.s"
     cmd = [CLANG, "-x", "hip", "-std=c++17", f"--offload-arch={arch}", "-nogpulib", "--cuda-device-only",
-           "-O3", "-Wall", "-S", str(KERNELS), "-o", str(out)]
+           "-O3", "-Wall", "-S", str(source), "-o", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stderr}"
     assert "warning" not in res.stderr, res.stderr
@@ -46,30 +53,42 @@ def kernels(asm: str) -> dict[str, str]:
     return bodies
 
 
+def test_every_source_is_checked():
+    assert [p.name for p in SOURCES] == sorted(KERNELS_OF)
+
+
 @pytest.fixture(scope="module")
-def gfx1201_asm(tmp_path_factory) -> str:
-    return compile_hip("gfx1201", tmp_path_factory.mktemp("hip"))
+def gfx1201_asm(tmp_path_factory) -> dict[str, str]:
+    """gfx1201 assembly of every source, by file name."""
+    out = tmp_path_factory.mktemp("hip")
+    return {p.name: compile_hip(p, "gfx1201", out) for p in SOURCES}
 
 
 @pytest.fixture(scope="module")
 def gfx1201(gfx1201_asm) -> dict[str, str]:
-    return kernels(gfx1201_asm)
+    """Every gfx1201 kernel body, by (mangled) name, over all sources."""
+    bodies = {}
+    for asm in gfx1201_asm.values():
+        bodies.update(kernels(asm))
+    return bodies
 
 
 @pytest.mark.parametrize("arch", ["gfx1100", "gfx942"])
-def test_compiles_for_other_amd_targets(arch, tmp_path):
-    asm = compile_hip(arch, tmp_path)
-    assert len(kernels(asm)) >= 4
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
+def test_compiles_for_other_amd_targets(arch, source, tmp_path):
+    asm = compile_hip(source, arch, tmp_path)
+    assert len(kernels(asm)) >= len(KERNELS_OF[source.name])
     wave = 64 if arch == "gfx942" else 32
     assert f".wavefront_size: {wave}" in asm
 
 
-def test_every_kernel_is_there(gfx1201):
-    names = " ".join(gfx1201)
-    for k in ("all_reduce_kernel", "dispatch_kernel", "combine_kernel", "probe_kernel"):
-        assert k in names, k
+def test_every_kernel_is_there(gfx1201_asm):
+    for source, asm in gfx1201_asm.items():
+        names = " ".join(kernels(asm))
+        for k in KERNELS_OF[source]:
+            assert k in names, f"{k} missing from {source}"
     # The top-k 8 fast path and the generic path, for int32 and int64 ids.
-    assert len([n for n in gfx1201 if "dispatch_kernel" in n]) == 4
+    assert len([n for n in kernels(gfx1201_asm["dispatch.cu"]) if "dispatch_kernel" in n]) == 4
 
 
 def test_flags_are_published_with_system_scope_stores(gfx1201):
@@ -92,11 +111,14 @@ def test_no_atomics_beyond_the_device(gfx1201):
                 assert "scope:SCOPE_SYS" not in line, f"{name}: system-scope atomic: {line.strip()}"
 
 
-def test_no_scratch_on_rdna4(gfx1201_asm):
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
+def test_no_scratch_on_rdna4(gfx1201_asm, source):
     # Spills to scratch would put private memory traffic in every copy loop.
-    sizes = re.findall(r"\.private_segment_fixed_size:\s+(\d+)", gfx1201_asm)
+    sizes = re.findall(r"\.private_segment_fixed_size:\s+(\d+)", gfx1201_asm[source.name])
     assert sizes and all(int(n) == 0 for n in sizes), sizes
 
 
-def test_wave32_on_rdna4(gfx1201_asm):
-    assert ".wavefront_size: 32" in gfx1201_asm and ".wavefront_size: 64" not in gfx1201_asm
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
+def test_wave32_on_rdna4(gfx1201_asm, source):
+    asm = gfx1201_asm[source.name]
+    assert ".wavefront_size: 32" in asm and ".wavefront_size: 64" not in asm

@@ -1,6 +1,7 @@
 // GPU transport, host side: the peer-mapped symmetric heap (allocation, IPC
 // export/import, peer access, the init-time P2P probe) and the torch glue
-// that launches csrc/gpu/kernels.cu on the current stream.
+// that launches the kernels (csrc/gpu/*.cu, interface kernels.h) on the
+// current stream.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 

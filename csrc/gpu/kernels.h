@@ -1,5 +1,7 @@
-// Launch interface of the device kernels. Plain types only (no torch), so
-// kernels.cu compiles on its own as CUDA or as HIP for any target.
+// Launch interface of the device kernels, one launch_* per op family, each
+// defined in its own .cu (all_reduce.cu, dispatch.cu, combine.cu, probe.cu).
+// Plain types only (no torch), so the kernels compile on their own as CUDA or
+// as HIP for any target.
 #pragma once
 
 #include <cstdint>

@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "../qualifiers.h"
+
 #if defined(__HIP__) || defined(__HIP_PLATFORM_AMD__) || defined(USE_ROCM)
 #define RC_HIP 1
 #include <hip/hip_runtime.h>
@@ -34,8 +36,9 @@ namespace gpu {
 using Stream = RC_RT(Stream_t);
 
 // ------------------------------------------------------------ runtime API
-// Host glue only. kernels.cu defines RC_KERNELS_ONLY: it must also compile
-// against older HIP headers (CI checks the gfx1201 code with Debian's HIP).
+// Host glue only. The kernels define RC_KERNELS_ONLY (device/launch.cuh):
+// they must also compile against older HIP headers (CI checks the gfx1201
+// code with Debian's HIP).
 #ifndef RC_KERNELS_ONLY
 #if defined(RC_HIP) && HIP_VERSION_MAJOR < 6
 #error "rdna4_comm's GPU transport needs ROCm 6 or newer (gfx1201 needs ROCm 6.3+)"
@@ -99,8 +102,7 @@ inline Error timer_ticks_per_ms(uint64_t* t, int) {
 #endif  // RC_KERNELS_ONLY
 
 // --------------------------------------------------------------- device
-#if defined(__CUDACC__) || defined(__HIPCC__) || defined(__HIP__)
-#define RC_DEVICE __device__ __forceinline__
+#ifdef RC_DEVICE  // compiled as device code (qualifiers.h)
 
 // Publish: every store this thread (and, after a block barrier, its block)
 // made becomes visible to all agents of the system before `v` does.

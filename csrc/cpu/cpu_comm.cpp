@@ -18,7 +18,7 @@
 #include <sstream>
 #include <thread>
 
-#include "comm.h"
+#include "../comm.h"
 
 namespace rdna4_comm {
 namespace {
@@ -179,7 +179,7 @@ class CpuComm final : public Comm {
       mask_out[t] = int32_t(mask);
       for (int d = 0; d < W; ++d) {
         if (!(mask >> d & 1u)) continue;
-        char* row = layout_.ep_row(data(d), gen, me, rows_to[d]++);
+        char* row = layout_.dispatch_row(data(d), gen, me, rows_to[d]++);
         std::memcpy(row, xp + t * payload, size_t(payload));
         int32_t* rid = layout_.row_ids(row);
         float* rw = layout_.row_weights(row);
@@ -193,7 +193,7 @@ class CpuComm final : public Comm {
       }
     }
     for (int d = 0; d < W; ++d) {
-      HeadSlot* head = layout_.ep_head(signals(d), gen, me);
+      HeadSlot* head = layout_.dispatch_head(signals(d), gen, me);
       head->ntok = uint32_t(T);
       head->nrows = rows_to[d];
       store_release(&head->gen, gen);
@@ -209,12 +209,12 @@ class CpuComm final : public Comm {
     int32_t* src_tokens = out.src_tokens.data_ptr<int32_t>();
     int64_t row_out = 0;
     for (int s = 0; s < W; ++s) {
-      HeadSlot* head = layout_.ep_head(signals(me), gen, s);
+      HeadSlot* head = layout_.dispatch_head(signals(me), gen, s);
       wait_at_least(&head->gen, gen, kOpDispatch, s);
       counts[s] = int32_t(head->nrows);
       src_tokens[s] = int32_t(head->ntok);
       for (uint32_t j = 0; j < head->nrows; ++j, ++row_out) {
-        char* row = layout_.ep_row(data(me), gen, s, j);
+        char* row = layout_.dispatch_row(data(me), gen, s, j);
         std::memcpy(rx + row_out * payload, row, size_t(payload));
         std::memcpy(rid_out + row_out * K, layout_.row_ids(row), size_t(K) * 4);
         if (rw_out) std::memcpy(rw_out + row_out * K, layout_.row_weights(row), size_t(K) * 4);
@@ -256,18 +256,18 @@ class CpuComm final : public Comm {
     int64_t row = 0;
     for (int s = 0; s < W; ++s) {
       for (int32_t j = 0; j < cnt[s]; ++j, ++row)
-        std::memcpy(layout_.cb_row(data(s), gen, me, src[row] - s * cap), yp + row * payload,
+        std::memcpy(layout_.combine_row(data(s), gen, me, src[row] - s * cap), yp + row * payload,
                     size_t(payload));
-      store_release(layout_.cb_flag(signals(s), gen, me, 0), gen);
+      store_release(layout_.combine_flag(signals(s), gen, me, 0), gen);
     }
-    for (int r = 0; r < W; ++r) wait_at_least(layout_.cb_flag(signals(me), gen, r, 0), gen, kOpCombine, r);
+    for (int r = 0; r < W; ++r) wait_at_least(layout_.combine_flag(signals(me), gen, r, 0), gen, kOpCombine, r);
 
     char* o = static_cast<char*>(out.data_ptr());
     std::vector<const char*> parts;
     for (int64_t t = 0; t < T; ++t) {
       parts.clear();
       for (int r = 0; r < W; ++r)
-        if (uint32_t(mask[t]) >> r & 1u) parts.push_back(layout_.cb_row(data(me), gen, r, t));
+        if (uint32_t(mask[t]) >> r & 1u) parts.push_back(layout_.combine_row(data(me), gen, r, t));
       if (parts.empty())
         std::memset(o + t * payload, 0, size_t(payload));
       else

@@ -1,0 +1,76 @@
+// Block-wide copies in the widest vector a row's size and alignment allow.
+#pragma once
+
+#include "launch.cuh"
+
+namespace rdna4_comm {
+namespace gpu {
+
+// Vectors in flight per thread in every copy and sum loop.
+constexpr int kUnroll = 4;
+
+template <typename T>
+struct VecTag {
+  using type = T;
+};
+
+// Calls f(VecTag<V>{}) for the vector type of `vec` bytes (16, 8, 4, 2, 1).
+template <typename F>
+RC_DEVICE void with_vector(int vec, F&& f) {
+  switch (vec) {
+    case 16: f(VecTag<uint4>{}); break;
+    case 8: f(VecTag<uint2>{}); break;
+    case 4: f(VecTag<uint32_t>{}); break;
+    case 2: f(VecTag<uint16_t>{}); break;
+    default: f(VecTag<uint8_t>{}); break;
+  }
+}
+
+RC_DEVICE bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// Rows [0, nrows) of nvec vectors each, copied by the whole block over the
+// flattened (row, vector) space: one row still keeps every thread busy, and
+// many rows keep kUnroll loads in flight per thread. src_of(r) is the source
+// row, mask_of(r) its destinations and dst_of(r, d) the row at destination d:
+// the row is loaded once and stored to each. Sizes stay below 2^32 vectors.
+template <typename V, typename SrcOf, typename MaskOf, typename DstOf>
+RC_DEVICE void block_copy_rows(int64_t nrows, int64_t nvec, SrcOf src_of, MaskOf mask_of, DstOf dst_of) {
+  const uint32_t total = uint32_t(nrows * nvec), n = uint32_t(nvec), nt = blockDim.x;
+  for (uint32_t i0 = threadIdx.x; i0 < total; i0 += nt * kUnroll) {
+    V val[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint32_t i = i0 + u * nt, row = i / n;
+      if (i < total) val[u] = reinterpret_cast<const V*>(src_of(row))[i - row * n];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint32_t i = i0 + u * nt, row = i / n;
+      if (i >= total) continue;
+      const uint32_t mask = mask_of(row);
+#pragma unroll
+      for (int d = 0; d < kMaxGpuWorld; ++d)
+        if (mask >> d & 1u) reinterpret_cast<V*>(dst_of(row, d))[i - row * n] = val[u];
+    }
+  }
+}
+
+// Rows [0, nrows) of row_bytes each, row r from src_of(r) to dst_of(r), in
+// vectors of `vec` bytes.
+template <typename SrcOf, typename DstOf>
+RC_DEVICE void block_copy_each_row(int64_t nrows, int64_t row_bytes, int vec, SrcOf src_of, DstOf dst_of) {
+  with_vector(vec, [&](auto tag) {
+    using V = typename decltype(tag)::type;
+    block_copy_rows<V>(
+        nrows, row_bytes / vec, src_of, [](uint32_t) { return 1u; }, [&](uint32_t r, int) { return dst_of(r); });
+  });
+}
+
+// One contiguous range, copied by the whole block.
+RC_DEVICE void block_copy(char* dst, const char* src, int64_t bytes, int vec) {
+  block_copy_each_row(
+      1, bytes, vec, [&](uint32_t) { return src; }, [&](uint32_t) { return dst; });
+}
+
+}  // namespace gpu
+}  // namespace rdna4_comm

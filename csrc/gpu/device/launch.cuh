@@ -1,0 +1,42 @@
+// Included first by every device header: the launch interface, the block
+// size of every kernel, and the host-side launch helpers of the launch_*
+// functions. RC_KERNELS_ONLY keeps platform.h to its device half, so the
+// kernels also build against HIP headers without the runtime's host API
+// (CI compiles them with Debian's clang-19 and HIP headers).
+#pragma once
+
+#define RC_KERNELS_ONLY
+#include "../kernels.h"
+
+#include <initializer_list>
+
+namespace rdna4_comm {
+namespace gpu {
+
+constexpr int kThreads = 512;
+// Warps are 32 lanes or wider (64 on CDNA); the warp size itself is read at
+// run time (warp_size()). Per-warp arrays hold kThreads / kMinWarpSize
+// entries, enough for a block of any warp size.
+constexpr int kMinWarpSize = 32;
+constexpr int kMaxWarps = kThreads / kMinWarpSize;
+static_assert(kThreads % 64 == 0, "a block is whole warps for every warp size");
+
+// Every kernel runs kThreads threads a block; `blocks` comes from the grid
+// policies in protocol.h (dispatch_grid, combine_grid, allreduce_blocks).
+template <typename Kernel, typename... Args>
+void launch(Kernel kernel, int blocks, Stream s, Args... args) {
+  RC_LAUNCH(kernel, blocks, kThreads, 0, s, args...);
+}
+
+// Widest vector (16, 8, 4, 2 or 1 bytes) that divides a row and aligns every pointer.
+inline int widest_vector(int64_t row_bytes, std::initializer_list<const void*> ptrs) {
+  for (int v : {16, 8, 4, 2}) {
+    bool ok = row_bytes % v == 0;
+    for (const void* p : ptrs) ok = ok && reinterpret_cast<uintptr_t>(p) % v == 0;
+    if (ok) return v;
+  }
+  return 1;
+}
+
+}  // namespace gpu
+}  // namespace rdna4_comm

@@ -1,0 +1,132 @@
+// Sums over ranks: in ascending rank order, in fp32, rounded once, so every
+// rank and the reference round alike (bitwise equal results).
+#pragma once
+
+#include "copy.cuh"
+
+namespace rdna4_comm {
+namespace gpu {
+
+// A pointer per rank, indexed only with unrolled loops so it stays in registers.
+struct ConstRankPtrs {
+  const char* p[kMaxGpuWorld];
+};
+
+template <DType D> struct Elem;
+template <> struct Elem<DType::kF32> {
+  using Raw = float;
+  static RC_DEVICE float load(Raw v) { return v; }
+  static RC_DEVICE Raw store(float v) { return v; }
+};
+template <> struct Elem<DType::kBF16> {
+  using Raw = uint16_t;
+  static RC_DEVICE float load(Raw v) { return bf16_bits_to_float(v); }
+  static RC_DEVICE Raw store(float v) { return float_to_bf16_bits(v); }
+};
+template <> struct Elem<DType::kF16> {
+  using Raw = uint16_t;
+  static RC_DEVICE float load(Raw v) { return f16_bits_to_float(v); }
+  static RC_DEVICE Raw store(float v) { return float_to_f16_bits(v); }
+};
+
+// Vector v of the sum over the sources selected by `mask`, in ascending rank
+// order, in fp32, rounded once; zeros when the mask is empty.
+template <DType D, typename V>
+RC_DEVICE V sum_one(const ConstRankPtrs& src, uint32_t mask, uint32_t v) {
+  using E = Elem<D>;
+  constexpr int N = sizeof(V) / sizeof(typename E::Raw);
+  union Pack {
+    V v;
+    typename E::Raw e[N];
+  };
+  float acc[N];
+#pragma unroll
+  for (int k = 0; k < N; ++k) acc[k] = 0.f;
+  bool first = true;
+#pragma unroll
+  for (int r = 0; r < kMaxGpuWorld; ++r) {
+    if (!(mask >> r & 1u)) continue;
+    Pack p;
+    p.v = reinterpret_cast<const V*>(src.p[r])[v];
+#pragma unroll
+    for (int k = 0; k < N; ++k) acc[k] = first ? E::load(p.e[k]) : acc[k] + E::load(p.e[k]);
+    first = false;
+  }
+  Pack o;
+  if (first) {
+    o.v = V{};
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) o.e[k] = E::store(acc[k]);
+  }
+  return o.v;
+}
+
+// Vectors [0, total) of a block's sums, thread by thread, kUnroll vectors in
+// flight per thread. row_of(i, src, out) selects vector i's sources (mask
+// returned) and points `out` at its output vector.
+template <DType D, typename V, typename RowOf>
+RC_DEVICE void block_sum(uint32_t total, RowOf row_of) {
+  const uint32_t nt = blockDim.x;
+  for (uint32_t i0 = threadIdx.x; i0 < total; i0 += nt * kUnroll) {
+    V res[kUnroll];
+    V* dst[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint32_t i = i0 + u * nt;
+      if (i >= total) continue;
+      ConstRankPtrs src;
+      uint32_t v;
+      const uint32_t mask = row_of(i, src, dst[u], v);
+      res[u] = sum_one<D, V>(src, mask, v);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i0 + u * nt < total) *dst[u] = res[u];
+  }
+}
+
+template <DType D, typename V>
+RC_DEVICE void sum_vectors(char* out, const ConstRankPtrs& src, uint32_t mask, int64_t begin, int64_t end) {
+  if (end <= begin) return;
+  block_sum<D, V>(uint32_t(end - begin), [&](uint32_t i, ConstRankPtrs& s, V*& dst, uint32_t& v) {
+    s = src;
+    v = uint32_t(begin + i);
+    dst = reinterpret_cast<V*>(out) + v;
+    return mask;
+  });
+}
+
+// Element range [e0, e1) of a sum: 16-byte vectors where everything is
+// aligned, single elements for the rest.
+template <DType D>
+RC_DEVICE void sum_elements(char* out, const ConstRankPtrs& src, uint32_t mask, int64_t e0, int64_t e1,
+                            bool aligned) {
+  using Raw = typename Elem<D>::Raw;
+  constexpr int kPerVec = 16 / sizeof(Raw);
+  int64_t scalar_from = e0;
+  if (aligned && e0 % kPerVec == 0) {
+    const int64_t v1 = e1 / kPerVec;
+    sum_vectors<D, uint4>(out, src, mask, e0 / kPerVec, v1);
+    scalar_from = v1 * kPerVec > e0 ? v1 * kPerVec : e0;
+  }
+  sum_vectors<D, Raw>(out, src, mask, scalar_from, e1);
+}
+
+template <DType D>
+struct DTypeTag {
+  static constexpr DType value = D;
+};
+
+// Calls f(DTypeTag<d>{}) so one generic body serves every element type.
+template <typename F>
+RC_DEVICE void with_dtype(DType d, F&& f) {
+  switch (d) {
+    case DType::kF32: f(DTypeTag<DType::kF32>{}); break;
+    case DType::kBF16: f(DTypeTag<DType::kBF16>{}); break;
+    default: f(DTypeTag<DType::kF16>{}); break;
+  }
+}
+
+}  // namespace gpu
+}  // namespace rdna4_comm

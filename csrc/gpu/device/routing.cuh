@@ -1,0 +1,150 @@
+// Expert-parallel routing on the device, shared by dispatch and combine:
+// destination sets, row positions, and the (source, chunk) items receivers
+// take. Both ops chunk a source's tokens with ep_chunk_tokens (protocol.h).
+#pragma once
+
+#include "sync.cuh"
+
+namespace rdna4_comm {
+namespace gpu {
+
+template <typename IdxT, int KF>
+struct Routing {
+  const IdxT* idx;
+  int K;
+  int64_t num_experts, epr;
+  RC_DEVICE int topk() const { return KF > 0 ? KF : K; }
+  RC_DEVICE uint32_t mask(int64_t t) const {
+    uint32_t m = 0;
+    const IdxT* row = idx + t * topk();
+    if constexpr (KF > 0) {
+      // Top-k fast path: the slot count is a compile-time constant, so the
+      // loads are unrolled and all in flight at once.
+#pragma unroll
+      for (int k = 0; k < KF; ++k) {
+        const int o = expert_owner(int64_t(row[k]), num_experts, epr);
+        if (o >= 0) m |= 1u << o;
+      }
+    } else {
+      for (int k = 0; k < K; ++k) {
+        const int o = expert_owner(int64_t(row[k]), num_experts, epr);
+        if (o >= 0) m |= 1u << o;
+      }
+    }
+    return m;
+  }
+};
+
+// Within-batch positions: for each destination d, the number of earlier
+// tokens of the batch (threads below this one) that go to d, plus run[d];
+// then run[d] grows by the batch's total. Ballots over each warp, warp totals
+// through shared memory, one row per warp of the block.
+RC_DEVICE void batch_positions(uint32_t m, int W, int32_t (&pos)[kMaxGpuWorld],
+                               int32_t (&warp_tot)[kMaxWarps][kMaxGpuWorld], int32_t* run) {
+  const int ws = warp_size(), lane = lane_id(), warp = threadIdx.x / ws, nw = blockDim.x / ws;
+  const uint64_t below = lane == 0 ? 0ull : (~0ull >> (64 - lane));
+#pragma unroll
+  for (int d = 0; d < kMaxGpuWorld; ++d) {
+    if (d >= W) break;
+    const uint64_t bal = warp_ballot(m >> d & 1u);
+    pos[d] = popcount64(bal & below);
+    if (lane == 0) warp_tot[warp][d] = popcount64(bal);
+  }
+  block_sync();
+#pragma unroll
+  for (int d = 0; d < kMaxGpuWorld; ++d) {
+    if (d >= W) break;
+    int32_t off = run[d];
+    for (int w = 0; w < warp; ++w) off += warp_tot[w][d];
+    pos[d] += off;
+  }
+  block_sync();
+  if (int(threadIdx.x) < W)
+    for (int w = 0; w < nw; ++w) run[threadIdx.x] += warp_tot[w][threadIdx.x];
+  block_sync();
+}
+
+// Receive items are (source, chunk) pairs ordered chunk-major, so receivers
+// take chunks in the order senders produce them. Round c holds the sources
+// with more than c chunks.
+RC_DEVICE void item_to_chunk(int64_t item, const int32_t* nchunks, int W, int* src, int64_t* chunk) {
+  auto before = [&](int64_t c) {
+    int64_t n = 0;
+    for (int s = 0; s < W; ++s) n += nchunks[s] < c ? nchunks[s] : c;
+    return n;
+  };
+  int64_t lo = 0, hi = kEpTargetChunks;  // largest c with before(c) <= item
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (before(mid) <= item) lo = mid; else hi = mid - 1;
+  }
+  int64_t k = item - before(lo);
+  for (int s = 0; s < W; ++s) {
+    if (nchunks[s] <= lo) continue;
+    if (k-- == 0) {
+      *src = s;
+      *chunk = lo;
+      return;
+    }
+  }
+}
+
+// A receiver waits for a group of its items' flags together and then copies
+// them, so tiny chunks (one token each up to T = 128) do not each cost a wait
+// and a barrier; groups hold about kGroupRows tokens' worth of chunks.
+constexpr int kMaxGroup = 32;
+constexpr int64_t kGroupRows = 64;
+
+RC_DEVICE int group_size(int64_t chunk_tokens) {
+  const int64_t g = kGroupRows / chunk_tokens;
+  return int(g < 1 ? 1 : (g > kMaxGroup ? kMaxGroup : g));
+}
+
+// The (source, chunk) items of every source, and the group size that fits
+// the largest chunk among them. A source listed with no chunks (this rank:
+// its own rows never pass through the heap) has no items.
+struct Items {
+  int64_t count;
+  int group;
+};
+
+// What a block knows about every source rank: its token count, the rows it
+// sent this rank, the chunks to take from the heap, and where its rows start
+// in the received rows (sources in rank order).
+struct Sources {
+  int32_t ntok[kMaxGpuWorld], nrows[kMaxGpuWorld], nchunks[kMaxGpuWorld], offset[kMaxGpuWorld + 1];
+};
+
+// Block-wide: fills `src` from counts_of(s, &ntok, &nrows), called by thread
+// s for every source s, then the row offsets. This rank's own rows never pass
+// through the heap, so it is listed with no chunks.
+template <typename CountsOf>
+RC_DEVICE void load_sources(const Env& env, Sources& src, CountsOf counts_of) {
+  const int W = env.world, tid = threadIdx.x;
+  if (tid < W) {
+    int64_t ntok, nrows;
+    counts_of(tid, &ntok, &nrows);
+    src.ntok[tid] = int32_t(ntok);
+    src.nrows[tid] = int32_t(nrows);
+    src.nchunks[tid] = tid == env.rank ? 0 : int32_t(ep_num_chunks(ntok));
+  }
+  block_sync();
+  if (tid == 0) {
+    src.offset[0] = 0;
+    for (int s = 0; s < W; ++s) src.offset[s + 1] = src.offset[s] + src.nrows[s];
+  }
+  block_sync();
+}
+
+RC_DEVICE Items source_items(const Sources& src, int W) {
+  int64_t count = 0, cmax = 1;
+  for (int s = 0; s < W; ++s) {
+    if (src.nchunks[s] == 0) continue;
+    count += src.nchunks[s];
+    cmax = ep_chunk_tokens(src.ntok[s]) > cmax ? ep_chunk_tokens(src.ntok[s]) : cmax;
+  }
+  return {count, group_size(cmax)};
+}
+
+}  // namespace gpu
+}  // namespace rdna4_comm

@@ -1,0 +1,104 @@
+// How the device kernels order memory and count generations: publication,
+// bounded waits, timeouts. Every kernel synchronises with its peers only
+// through the functions below.
+//
+// Push, poll locally: a writer stores payload and flags into the READER's
+// memory, and a reader spins only on its own memory. Posted writes are cheap
+// over PCIe and NVLink; a remote read is a round trip.
+//
+// Publication, in this order:
+//  1. the block's threads store the payload (plain stores);
+//  2. block_sync(): those stores happen before whatever thread r does next;
+//  3. thread r, the one thread that owns destination r's flag, stores the
+//     slot's metadata (HeadSlot / ChunkSlot fields) with plain stores and
+//     then the generation with store_release_sys. A release is cumulative
+//     (PTX and the HSA model HIP follows): every store that happens before
+//     it, the block's through the barrier and the metadata in program order,
+//     is visible to every agent of the system before the flag is.
+// Observation: one thread polls the flag with load_acquire_sys (wait_flag);
+// its later loads see everything released before the flag, and a block
+// barrier (block_all) hands that to the whole block.
+//
+// Every flag slot has one writer, so no peer atomics exist. The only atomics
+// act on this GPU's own memory: finish_op's block count (device scope) and
+// shared-memory counters.
+#pragma once
+
+#include "launch.cuh"
+
+namespace rdna4_comm {
+namespace gpu {
+
+// Generations. Ops of one communicator run in stream order: the host enqueues
+// them on one stream, so a kernel starts only after the previous op's kernel
+// has finished. Each kernel therefore reads its generation, counter + 1, at
+// start (op_generation), and its last block to finish stores it back
+// (finish_op), before the next kernel of the kind can read it. The host never
+// passes a generation, so a replayed graph keeps counting.
+RC_DEVICE uint64_t op_generation(const Env& env, int op) {
+  return *env.layout.counter(env.sig[env.rank], op) + 1;
+}
+
+// Every thread of the block has read the generation (op_generation, at start)
+// before thread 0 counts the block done, so the last block's store cannot
+// overtake a reader of this launch.
+RC_DEVICE void finish_op(const Env& env, int op, uint64_t gen) {
+  block_sync();
+  if (threadIdx.x == 0) {
+    char* sig = env.sig[env.rank];
+    fence_device();
+    auto* done = reinterpret_cast<unsigned long long*>(env.layout.block_counter(sig, op));
+    if (atomicAdd(done, 1ull) == gridDim.x - 1) {
+      *done = 0;
+      *env.layout.counter(sig, op) = gen;
+      fence_device();
+    }
+  }
+}
+
+// The first thread to give up on a peer leaves one word for the host.
+RC_DEVICE void record_timeout(const Env& env, int op, int peer, uint64_t gen) {
+  if (load_relaxed_sys(env.error) == 0) store_release_sys(env.error, encode_timeout(op, peer, gen));
+}
+
+// Bounded wait of one thread for `*flag >= gen` (why `>=`: protocol.h, at
+// HeadSlot). False on timeout, or once another thread has failed, so a broken
+// op drains in one timeout, not one per wait.
+RC_DEVICE bool wait_flag(const Env& env, const uint64_t* flag, uint64_t gen, int op, int peer) {
+  if (load_acquire_sys(flag) >= gen) return true;
+  const uint64_t start = timer_ticks();
+  for (uint32_t spin = 1;; ++spin) {
+    spin_pause();
+    if (load_acquire_sys(flag) >= gen) return true;
+    if ((spin & 127) == 0) {
+      if (load_relaxed_sys(env.error) != 0) return false;
+      if (timer_ticks() - start > env.timeout_ticks) {
+        record_timeout(env, op, peer, gen);
+        return false;
+      }
+    }
+  }
+}
+
+RC_DEVICE uint32_t all_ranks(const Env& env) { return (1u << env.world) - 1; }
+RC_DEVICE uint32_t peer_ranks(const Env& env) { return all_ranks(env) & ~(1u << env.rank); }
+
+// Block-wide: thread r waits for flag_of(r), for every rank r in `ranks`.
+// True on every thread when all arrived.
+template <typename FlagOf>
+RC_DEVICE bool block_wait_ranks(const Env& env, uint64_t gen, int op, uint32_t ranks, FlagOf flag_of) {
+  bool ok = true;
+  const int r = threadIdx.x;
+  if (r < env.world && (ranks >> r & 1u)) ok = wait_flag(env, flag_of(r), gen, op, r);
+  return block_all(ok);
+}
+
+// After a block barrier: thread r publishes gen into flag_of(r), for every rank r in `ranks`.
+template <typename FlagOf>
+RC_DEVICE void block_signal_ranks(const Env& env, uint64_t gen, uint32_t ranks, FlagOf flag_of) {
+  const int r = threadIdx.x;
+  if (r < env.world && (ranks >> r & 1u)) store_release_sys(flag_of(r), gen);
+}
+
+}  // namespace gpu
+}  // namespace rdna4_comm
