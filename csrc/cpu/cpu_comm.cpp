@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <initializer_list>
 #include <cstring>
 #include <random>
 #include <sstream>
@@ -57,6 +58,34 @@ void sum_in_order(at::ScalarType st, char* out, const std::vector<const char*>& 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, st, "rdna4_comm_sum", [&] {
     sum_rows<scalar_t>(reinterpret_cast<scalar_t*>(out), srcs, n);
   });
+}
+
+// The residual add and the norm of rows whose all_reduce sum is c.x, in the
+// op's roundings (docs/semantics.md): r = round(s + residual); out =
+// round(w * round(r * inv_rms)). The sum of squares runs over kLanes strided
+// partial sums combined pairwise, a fixed order (bitwise equal results on
+// every rank and run) that stays close to torch's pairwise mean.
+template <typename T, typename W>
+void rmsnorm_rows(const RmsNormRows& c) {
+  constexpr int kLanes = 16;
+  const int64_t H = c.hidden;
+  const W* w = static_cast<const W*>(c.weight);
+  for (int64_t row = 0; row < c.rows; ++row) {
+    const T* s = reinterpret_cast<const T*>(c.x) + row * H;
+    const T* res = c.residual ? reinterpret_cast<const T*>(c.residual) + row * H : nullptr;
+    T* r = reinterpret_cast<T*>(c.residual_out) + row * H;
+    T* out = reinterpret_cast<T*>(c.out) + row * H;
+    float lanes[kLanes] = {};
+    for (int64_t i = 0; i < H; ++i) {
+      const T v = res ? T(float(s[i]) + float(res[i])) : s[i];
+      r[i] = v;
+      lanes[i % kLanes] += float(v) * float(v);
+    }
+    for (int width = kLanes / 2; width > 0; width /= 2)
+      for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+    const float inv = rmsnorm_inv_rms(lanes[0], H, c.eps);
+    for (int64_t i = 0; i < H; ++i) out[i] = T(float(w[i]) * float(T(float(r[i]) * inv)));
+  }
 }
 
 class CpuComm final : public Comm {
@@ -117,43 +146,38 @@ class CpuComm final : public Comm {
   }
 
  protected:
-  // One-shot: every rank's whole chunk is one share, owned by everyone.
-  // Two-shot: rank o owns elements [o*q, min((o+1)*q, m)) (allreduce_share),
-  // reduces them, and hands the result to every peer.
   void all_reduce_chunk(at::ScalarType st, const char* in, char* out, int64_t m, bool one_shot) override {
-    const int W = cfg_.world, me = cfg_.rank;
-    const int64_t elt = int64_t(c10::elementSize(st));
-    const uint64_t gen = next_generation(kOpAllReduce);
-    const int64_t q = one_shot ? m : allreduce_share(m, W, elt);
-    auto begin = [&](int o) { return one_shot ? int64_t(0) : o * q; };
-    auto share = [&](int o) { return one_shot ? m : std::max<int64_t>(0, std::min(q, m - o * q)); };
-    for (int o = 0; o < W; ++o) {
-      if (o == me) continue;
-      std::memcpy(layout_.ar_slot(data(o), gen, me), in + begin(o) * elt, size_t(share(o) * elt));
-      store_release(layout_.ar_flag(signals(o), gen, 0, me, 0), gen);
-    }
-    std::vector<const char*> srcs(W);
-    for (int r = 0; r < W; ++r) {
-      if (r == me) {
-        srcs[r] = in + begin(me) * elt;
-        continue;
-      }
-      wait_at_least(layout_.ar_flag(signals(me), gen, 0, r, 0), gen, kOpAllReduce, r);
-      srcs[r] = layout_.ar_slot(data(me), gen, r);
-    }
-    char* mine = out + begin(me) * elt;
-    sum_in_order(st, mine, srcs, share(me));
-    if (one_shot) return;
-    for (int p = 0; p < W; ++p) {
-      if (p == me) continue;
-      std::memcpy(layout_.ar_gather_slot(data(p), gen, me), mine, size_t(share(me) * elt));
-      store_release(layout_.ar_flag(signals(p), gen, 1, me, 0), gen);
-    }
-    for (int o = 0; o < W; ++o) {
-      if (o == me) continue;
-      wait_at_least(layout_.ar_flag(signals(me), gen, 1, o, 0), gen, kOpAllReduce, o);
-      std::memcpy(out + begin(o) * elt, layout_.ar_gather_slot(data(me), gen, o), size_t(share(o) * elt));
-    }
+    exchange(kOpAllReduce, st, in, out, allreduce_shares(m, cfg_.world, int64_t(c10::elementSize(st)), one_shot),
+             [](int64_t, int64_t) {}, {out});
+  }
+
+  // The shares are whole rows: one-stage, every rank finishes the whole
+  // chunk; two-stage, owner o finishes its shard and hands out both outputs.
+  void all_reduce_rmsnorm_chunk(const RmsNormRows& c, bool one_stage) override {
+    const int64_t H = c.hidden;
+    const AllReduceShares rows = rmsnorm_shards(c.rows, cfg_.world, one_stage);
+    const int64_t row_bytes = H * int64_t(c10::elementSize(c.dtype));
+    auto finish = [&](int64_t e0, int64_t n) {
+      RmsNormRows mine = c;
+      const int64_t skip = e0 / H * row_bytes;
+      mine.x = c.residual_out + skip;  // the sum of this rank's share
+      if (mine.residual) mine.residual += skip;
+      mine.out += skip;
+      mine.residual_out += skip;
+      mine.rows = n / H;
+      rmsnorm_local(mine);
+    };
+    exchange(kOpAllReduceRmsNorm, c.dtype, c.x, c.residual_out, {rows.n * H, rows.q * H, one_stage}, finish,
+             {c.out, c.residual_out});
+  }
+
+  void rmsnorm_local(const RmsNormRows& c) override {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, c.dtype, "rdna4_comm_rmsnorm", [&] {
+      if (c.weight_fp32)
+        rmsnorm_rows<scalar_t, float>(c);
+      else
+        rmsnorm_rows<scalar_t, scalar_t>(c);
+    });
   }
 
   void dispatch_impl(const at::Tensor& x, const at::Tensor& topk_idx,
@@ -276,6 +300,54 @@ class CpuComm final : public Comm {
   }
 
  private:
+  // One round of the all_reduce protocol over a chunk cut into `sh` (elements
+  // of st), ops all_reduce and all_reduce_rmsnorm alike (one generation
+  // sequence, protocol.h): push every owner its share of `in`, sum this
+  // rank's share over the ranks into `sum` at its offset, call
+  // finish(begin, size) on that share, and then, unless one-shot, hand this
+  // rank's share of each of `outputs` to every peer (output k at k * q in the
+  // gather slot) and collect theirs.
+  template <typename Finish>
+  void exchange(int op, at::ScalarType st, const char* in, char* sum, const AllReduceShares& sh, Finish finish,
+                std::initializer_list<char*> outputs) {
+    const int W = cfg_.world, me = cfg_.rank;
+    const int64_t elt = int64_t(c10::elementSize(st));
+    const uint64_t gen = next_generation(kAllReduceSequence);
+    for (int o = 0; o < W; ++o) {
+      if (o == me) continue;
+      std::memcpy(layout_.ar_slot(data(o), gen, me), in + sh.begin(o) * elt, size_t(sh.size(o) * elt));
+      store_release(layout_.ar_flag(signals(o), gen, 0, me, 0), gen);
+    }
+    std::vector<const char*> srcs(W);
+    for (int r = 0; r < W; ++r) {
+      if (r == me) {
+        srcs[r] = in + sh.begin(me) * elt;
+        continue;
+      }
+      wait_at_least(layout_.ar_flag(signals(me), gen, 0, r, 0), gen, op, r);
+      srcs[r] = layout_.ar_slot(data(me), gen, r);
+    }
+    sum_in_order(st, sum + sh.begin(me) * elt, srcs, sh.size(me));
+    finish(sh.begin(me), sh.size(me));
+    if (sh.one_shot) return;
+    for (int p = 0; p < W; ++p) {
+      if (p == me) continue;
+      int64_t k = 0;
+      for (char* o : outputs)
+        std::memcpy(layout_.ar_gather_slot(data(p), gen, me) + k++ * sh.q * elt, o + sh.begin(me) * elt,
+                    size_t(sh.size(me) * elt));
+      store_release(layout_.ar_flag(signals(p), gen, 1, me, 0), gen);
+    }
+    for (int o = 0; o < W; ++o) {
+      if (o == me) continue;
+      wait_at_least(layout_.ar_flag(signals(me), gen, 1, o, 0), gen, op, o);
+      int64_t k = 0;
+      for (char* dst : outputs)
+        std::memcpy(dst + sh.begin(o) * elt, layout_.ar_gather_slot(data(me), gen, o) + k++ * sh.q * elt,
+                    size_t(sh.size(o) * elt));
+    }
+  }
+
   char* signals(int r) const { return bases_[r]; }
   char* data(int r) const { return bases_[r] + layout_.signal_bytes; }
 
