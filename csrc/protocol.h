@@ -66,8 +66,8 @@ constexpr int kAllReduceSequence = kOpAllReduce;
 // monotone flags alone.
 //
 // Slots with metadata: the writer stores the metadata with plain stores and
-// then the generation with a system-scope release; the reader acquires the
-// generation before it reads the metadata.
+// then the generation with a release (system scope on the GPU); the reader
+// acquires the generation before it reads the metadata.
 struct HeadSlot {  // dispatch: one per (parity, source), written by the source
   uint64_t gen;
   uint32_t ntok;   // tokens the source holds (T_s): fixes its chunking
@@ -172,8 +172,9 @@ RC_HD int timeout_op(uint64_t word) { return int((word >> 56) & 0x7f); }
 RC_HD int timeout_peer(uint64_t word) { return int((word >> 48) & 0xff); }
 RC_HD uint64_t timeout_gen(uint64_t word) { return word & 0xffffffffffffull; }
 
-// GPU launch policy. All blocks of a launch must be resident at once
-// (receivers spin on peers whose senders may wait behind them), and the
+// GPU launch policy. All blocks of a launch must be resident at once: a
+// block spins on flags that other blocks publish, of this launch or of a
+// peer's, and a block queued behind spinning ones would never run. The
 // kernels take one block per multiprocessor, so grids stay within 3/4 of the
 // multiprocessors: a stray kernel on a few of them cannot leave a block
 // waiting for a slot. dispatch/combine split blocks into senders and
@@ -194,7 +195,7 @@ RC_HD int clamp_blocks(int64_t want, int64_t most) {
 }
 RC_HD EpGrid dispatch_grid(int64_t ntok, int world, int sm_count) {
   // Senders own this rank's chunks; receivers take (peer, chunk) items (own
-  // rows skip the heap on the GPU).
+  // rows skip the heap).
   const int64_t nch = ep_num_chunks(ntok);
   return {clamp_blocks(nch, sm_count / 2), clamp_blocks((world - 1) * nch, sm_count / 4)};
 }

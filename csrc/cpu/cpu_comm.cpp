@@ -1,16 +1,19 @@
 // CPU transport: the processes of one host share one POSIX shared-memory
-// segment per rank. It runs the same protocol as the GPU kernels (push into
-// the reader's segment, single-writer flags, release/acquire, generation
-// parity), so every property of the protocol is exercised without a GPU.
+// segment per rank. Each op runs the GPU kernels' protocol on the calling
+// thread: the same heap layout and flag slots (per-chunk dispatch slots,
+// per-chunk combine flags, per-block all_reduce flags), generation parity and
+// counting, single-writer flags published with release and polled with
+// acquire, and the same own-row path, so every property of the protocol is
+// exercised without a GPU. docs/protocol.md lists what still differs.
 #include <ATen/Dispatch.h>
 #include <c10/util/Exception.h>
-#include <c10/util/irange.h>
 
 #include <fcntl.h>
 #include <sched.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <initializer_list>
@@ -18,6 +21,8 @@
 #include <random>
 #include <sstream>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "../comm.h"
 
@@ -26,6 +31,15 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// The "multiprocessor count" the CPU sizes all_reduce with (allreduce_blocks):
+// shares of more than 32 KiB run as several pieces, each with its own flag
+// slot, as on a small GPU. Every rank runs this binary, so all agree.
+constexpr int kCpuMultiprocessors = 8;
+
+// Publication and observation between the processes, through the shared
+// mapping: the payload and slot metadata are plain stores before a release
+// store of the generation; a reader's acquire load that sees it makes them
+// visible to the reader's later loads.
 void store_release(uint64_t* flag, uint64_t v) { __atomic_store_n(flag, v, __ATOMIC_RELEASE); }
 uint64_t load_acquire(const uint64_t* flag) { return __atomic_load_n(flag, __ATOMIC_ACQUIRE); }
 
@@ -146,29 +160,44 @@ class CpuComm final : public Comm {
   }
 
  protected:
+  // all_reduce, as the GPU runs it: rank o owns share o (allreduce_shares),
+  // cut into allreduce_blocks pieces, and piece b flags slot b. This thread
+  // runs the GPU grid's blocks one after another, in block order on every
+  // rank: piece b waits only for the peers' piece b, which each publishes
+  // before any wait of its own piece b.
   void all_reduce_chunk(at::ScalarType st, const char* in, char* out, int64_t m, bool one_shot) override {
-    exchange(kOpAllReduce, st, in, out, allreduce_shares(m, cfg_.world, int64_t(c10::elementSize(st)), one_shot),
-             [](int64_t, int64_t) {}, {out});
+    const int elt = int(c10::elementSize(st));
+    const AllReduceShares share = allreduce_shares(m, cfg_.world, elt, one_shot);
+    const int blocks = allreduce_blocks(share.q * elt, kCpuMultiprocessors);
+    auto piece = [&](int o, int b, int64_t* e0, int64_t* e1) { allreduce_piece(share.size(o), elt, b, blocks, e0, e1); };
+    exchange(kOpAllReduce, st, in, out, share, blocks, piece, [](int64_t, int64_t) {}, {out});
   }
 
   // The shares are whole rows: one-stage, every rank finishes the whole
   // chunk; two-stage, owner o finishes its shard and hands out both outputs.
+  // Pieces are rows, as the GPU kernel's blocks take them.
   void all_reduce_rmsnorm_chunk(const RmsNormRows& c, bool one_stage) override {
     const int64_t H = c.hidden;
     const AllReduceShares rows = rmsnorm_shards(c.rows, cfg_.world, one_stage);
+    const int blocks = rmsnorm_blocks(rows.q, kCpuMultiprocessors);
     const int64_t row_bytes = H * int64_t(c10::elementSize(c.dtype));
+    auto piece = [&](int o, int b, int64_t* e0, int64_t* e1) {
+      rmsnorm_piece(rows.size(o), b, blocks, e0, e1);
+      *e0 *= H;
+      *e1 *= H;
+    };
     auto finish = [&](int64_t e0, int64_t n) {
       RmsNormRows mine = c;
       const int64_t skip = e0 / H * row_bytes;
-      mine.x = c.residual_out + skip;  // the sum of this rank's share
+      mine.x = c.residual_out + skip;  // the sum of these rows
       if (mine.residual) mine.residual += skip;
       mine.out += skip;
       mine.residual_out += skip;
       mine.rows = n / H;
       rmsnorm_local(mine);
     };
-    exchange(kOpAllReduceRmsNorm, c.dtype, c.x, c.residual_out, {rows.n * H, rows.q * H, one_stage}, finish,
-             {c.out, c.residual_out});
+    exchange(kOpAllReduceRmsNorm, c.dtype, c.x, c.residual_out, {rows.n * H, rows.q * H, one_stage}, blocks, piece,
+             finish, {c.out, c.residual_out});
   }
 
   void rmsnorm_local(const RmsNormRows& c) override {
@@ -180,78 +209,140 @@ class CpuComm final : public Comm {
     });
   }
 
+  // dispatch, as the GPU's sender and receiver blocks run it: one header per
+  // destination, rows pushed chunk by chunk (ep_chunk_tokens) with one
+  // ChunkSlot per (destination, chunk), empty chunks included; this rank's
+  // own rows go straight from x to the output; the receiver takes the peers'
+  // chunks in chunk-major order. Everything is published before the first
+  // wait, so no rank waits for a peer that waits for it.
   void dispatch_impl(const at::Tensor& x, const at::Tensor& topk_idx,
                      const c10::optional<at::Tensor>& topk_weights, Dispatched& out) override {
     const int W = cfg_.world, me = cfg_.rank;
-    const int64_t T = x.size(0), K = cfg_.topk, cap = cfg_.cap;
+    const int64_t T = x.size(0), K = cfg_.topk, cap = cfg_.cap, epr = cfg_.experts_per_rank();
     const int64_t payload = cfg_.hidden * int64_t(c10::elementSize(cfg_.dtype));
+    const int64_t C = ep_chunk_tokens(T), nch = ep_num_chunks(T);
     const at::Tensor ids = topk_idx.to(at::kLong);
     const int64_t* idp = ids.data_ptr<int64_t>();
     const float* wp = topk_weights ? topk_weights->data_ptr<float>() : nullptr;
     const char* xp = static_cast<const char*>(x.data_ptr());
     int32_t* mask_out = out.send_mask.data_ptr<int32_t>();
-    const uint64_t gen = next_generation(kOpDispatch);
-
-    // Send: one row per (token, destination rank), in token order.
-    std::vector<uint32_t> rows_to(W, 0);
-    for (int64_t t = 0; t < T; ++t) {
-      uint32_t mask = 0;
-      for (int64_t k = 0; k < K; ++k) {
-        int owner = expert_owner(idp[t * K + k], cfg_.num_experts, cfg_.experts_per_rank());
-        if (owner >= 0) mask |= 1u << owner;
-      }
-      mask_out[t] = int32_t(mask);
-      for (int d = 0; d < W; ++d) {
-        if (!(mask >> d & 1u)) continue;
-        char* row = layout_.dispatch_row(data(d), gen, me, rows_to[d]++);
-        std::memcpy(row, xp + t * payload, size_t(payload));
-        int32_t* rid = layout_.row_ids(row);
-        float* rw = layout_.row_weights(row);
-        for (int64_t k = 0; k < K; ++k) {
-          const int64_t e = idp[t * K + k];
-          const bool here = expert_owner(e, cfg_.num_experts, cfg_.experts_per_rank()) == d;
-          rid[k] = here ? int32_t(e - d * cfg_.experts_per_rank()) : -1;
-          rw[k] = here && wp ? wp[t * K + k] : 0.f;
-        }
-        *layout_.row_token(row) = int32_t(t);
-      }
-    }
-    for (int d = 0; d < W; ++d) {
-      HeadSlot* head = layout_.dispatch_head(signals(d), gen, me);
-      head->ntok = uint32_t(T);
-      head->nrows = rows_to[d];
-      store_release(&head->gen, gen);
-    }
-
-    // Receive: compact the sources' rows in rank order.
     char* rx = static_cast<char*>(out.x.data_ptr());
     int32_t* rid_out = out.topk_idx.data_ptr<int32_t>();
     // With T = 0 the weights may be given yet have no storage: test the optional.
     float* rw_out = topk_weights ? out.topk_weights.data_ptr<float>() : nullptr;
     int32_t* src_out = out.recv_src.data_ptr<int32_t>();
+    const uint64_t gen = op_generation(kOpDispatch);
+
+    // Destination sets, and start[c * W + d]: rows to d from the tokens before chunk c.
+    std::vector<uint32_t> start(size_t(nch + 1) * W, 0);
+    for (int64_t t = 0; t < T; ++t) {
+      uint32_t mask = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const int owner = expert_owner(idp[t * K + k], cfg_.num_experts, epr);
+        if (owner >= 0) mask |= 1u << owner;
+      }
+      mask_out[t] = int32_t(mask);
+      for (int d = 0; d < W; ++d) start[size_t(t / C + 1) * W + d] += mask >> d & 1u;
+    }
+    for (int64_t c = 0; c < nch; ++c)
+      for (int d = 0; d < W; ++d) start[size_t(c + 1) * W + d] += start[size_t(c) * W + d];
+    auto rows_to = [&](int64_t c, int d) { return start[size_t(c) * W + d]; };
+    for (int d = 0; d < W; ++d) {
+      HeadSlot* head = layout_.dispatch_head(signals(d), gen, me);
+      head->ntok = uint32_t(T);
+      head->nrows = rows_to(nch, d);
+      store_release(&head->gen, gen);
+    }
+    // Token t's routing as destination d sees it: the local id where the
+    // slot's expert lives on d, else -1 and weight 0.
+    auto write_routing = [&](int64_t t, int d, int32_t* rid, float* rw) {
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t e = idp[t * K + k];
+        const bool here = expert_owner(e, cfg_.num_experts, epr) == d;
+        rid[k] = here ? int32_t(e - d * epr) : -1;
+        if (rw) rw[k] = here && wp ? wp[t * K + k] : 0.f;
+      }
+    };
+
+    // Peers' rows, chunk by chunk, each chunk announced to every peer.
+    std::vector<uint32_t> next(W);
+    for (int64_t c = 0; c < nch; ++c) {
+      for (int d = 0; d < W; ++d) next[d] = rows_to(c, d);
+      for (int64_t t = c * C; t < std::min((c + 1) * C, T); ++t) {
+        for (int d = 0; d < W; ++d) {
+          if (d == me || !(uint32_t(mask_out[t]) >> d & 1u)) continue;
+          char* row = layout_.dispatch_row(data(d), gen, me, next[d]++);
+          std::memcpy(row, xp + t * payload, size_t(payload));
+          write_routing(t, d, layout_.row_ids(row), layout_.row_weights(row));
+          *layout_.row_token(row) = int32_t(t);
+        }
+      }
+      for (int d = 0; d < W; ++d) {
+        if (d == me) continue;
+        ChunkSlot* slot = layout_.dispatch_chunk(signals(d), gen, me, c);
+        slot->row_start = rows_to(c, d);
+        slot->nrows = rows_to(c + 1, d) - rows_to(c, d);
+        store_release(&slot->gen, gen);
+      }
+    }
+
+    // This rank's own rows skip the heap: straight to the output, after the
+    // rows of every lower rank, whose counts come from their headers.
+    int64_t own = 0;
+    for (int s = 0; s < me; ++s) {
+      const HeadSlot* head = layout_.dispatch_head(signals(me), gen, s);
+      wait_at_least(&head->gen, gen, kOpDispatch, s);
+      own += head->nrows;
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      if (!(uint32_t(mask_out[t]) >> me & 1u)) continue;
+      std::memcpy(rx + own * payload, xp + t * payload, size_t(payload));
+      write_routing(t, me, rid_out + own * K, rw_out ? rw_out + own * K : nullptr);
+      src_out[own++] = int32_t(me * cap + t);
+    }
+
+    // Receive: every source's header, then the peers' chunks in chunk-major
+    // order, each to its source's rows (sources in rank order).
     int32_t* counts = out.counts.data_ptr<int32_t>();
     int32_t* src_tokens = out.src_tokens.data_ptr<int32_t>();
-    int64_t row_out = 0;
+    std::vector<int64_t> offset(W + 1, 0), nchunks(W, 0);
     for (int s = 0; s < W; ++s) {
-      HeadSlot* head = layout_.dispatch_head(signals(me), gen, s);
+      const HeadSlot* head = layout_.dispatch_head(signals(me), gen, s);
       wait_at_least(&head->gen, gen, kOpDispatch, s);
       counts[s] = int32_t(head->nrows);
       src_tokens[s] = int32_t(head->ntok);
-      for (uint32_t j = 0; j < head->nrows; ++j, ++row_out) {
-        char* row = layout_.dispatch_row(data(me), gen, s, j);
-        std::memcpy(rx + row_out * payload, row, size_t(payload));
-        std::memcpy(rid_out + row_out * K, layout_.row_ids(row), size_t(K) * 4);
-        if (rw_out) std::memcpy(rw_out + row_out * K, layout_.row_weights(row), size_t(K) * 4);
-        src_out[row_out] = int32_t(s * cap + *layout_.row_token(row));
+      nchunks[s] = s == me ? 0 : ep_num_chunks(head->ntok);  // own rows are in place already
+      offset[s + 1] = offset[s] + head->nrows;
+    }
+    const int64_t rounds = *std::max_element(nchunks.begin(), nchunks.end());
+    for (int64_t c = 0; c < rounds; ++c) {
+      for (int s = 0; s < W; ++s) {
+        if (c >= nchunks[s]) continue;
+        const ChunkSlot* slot = layout_.dispatch_chunk(signals(me), gen, s, c);
+        wait_at_least(&slot->gen, gen, kOpDispatch, s);
+        for (uint32_t j = slot->row_start; j < slot->row_start + slot->nrows; ++j) {
+          char* row = layout_.dispatch_row(data(me), gen, s, j);
+          const int64_t o = offset[s] + j;
+          std::memcpy(rx + o * payload, row, size_t(payload));
+          std::memcpy(rid_out + o * K, layout_.row_ids(row), size_t(K) * 4);
+          if (rw_out) std::memcpy(rw_out + o * K, layout_.row_weights(row), size_t(K) * 4);
+          src_out[o] = int32_t(s * cap + *layout_.row_token(row));
+        }
       }
     }
-    const int64_t rows = int64_t(W) * cap;
-    std::memset(rx + row_out * payload, 0, size_t((rows - row_out) * payload));
-    std::fill(rid_out + row_out * K, rid_out + rows * K, -1);
-    if (rw_out) std::fill(rw_out + row_out * K, rw_out + rows * K, 0.f);
-    std::fill(src_out + row_out, src_out + rows, -1);
+    const int64_t rows = int64_t(W) * cap, pad0 = offset[W];
+    std::memset(rx + pad0 * payload, 0, size_t((rows - pad0) * payload));
+    std::fill(rid_out + pad0 * K, rid_out + rows * K, -1);
+    if (rw_out) std::fill(rw_out + pad0 * K, rw_out + rows * K, 0.f);
+    std::fill(src_out + pad0, src_out + rows, -1);
+    finish_op(kOpDispatch, gen);
   }
 
+  // combine, as the GPU's blocks run it: every row received from a peer goes
+  // back to that peer's inbox, chunk by chunk of the peer's tokens, each
+  // (destination, chunk) flagged, empty chunks included; this rank's own
+  // contributions are read straight from y. All flags are published before
+  // the first wait.
   void combine_impl(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
                     const at::Tensor& src_tokens, const at::Tensor& send_mask,
                     at::Tensor& out) override {
@@ -275,91 +366,125 @@ class CpuComm final : public Comm {
         TORCH_CHECK_VALUE(src[j] >= s * cap && src[j] < s * cap + ntok[s], "combine: handle.recv_src[", j,
                           "] = ", src[j], " is not a token of source rank ", s, " (expected [", s * cap, ", ",
                           s * cap + ntok[s], "))");
-    const uint64_t gen = next_generation(kOpCombine);
+    const uint64_t gen = op_generation(kOpCombine);
+    std::vector<int64_t> offset(W + 1, 0);
+    for (int s = 0; s < W; ++s) offset[s + 1] = offset[s] + cnt[s];
 
-    int64_t row = 0;
+    // Send: source s's rows lie in token order, so chunk c of its tokens is
+    // the next run of rows.
     for (int s = 0; s < W; ++s) {
-      for (int32_t j = 0; j < cnt[s]; ++j, ++row)
-        std::memcpy(layout_.combine_row(data(s), gen, me, src[row] - s * cap), yp + row * payload,
-                    size_t(payload));
-      store_release(layout_.combine_flag(signals(s), gen, me, 0), gen);
+      if (s == me) continue;
+      const int64_t Cs = ep_chunk_tokens(ntok[s]), base = int64_t(s) * cap;
+      int64_t j = offset[s];
+      for (int64_t c = 0; c < ep_num_chunks(ntok[s]); ++c) {
+        for (; j < offset[s + 1] && src[j] - base < (c + 1) * Cs; ++j)
+          std::memcpy(layout_.combine_row(data(s), gen, me, src[j] - base), yp + j * payload, size_t(payload));
+        store_release(layout_.combine_flag(signals(s), gen, me, c), gen);
+      }
     }
-    for (int r = 0; r < W; ++r) wait_at_least(layout_.combine_flag(signals(me), gen, r, 0), gen, kOpCombine, r);
 
+    // Receive: the row of y that holds this rank's own contribution to each
+    // token (row 0 until mapped, as on the GPU: a handle whose send_mask and
+    // recv_src disagree reads a wrong row of y, never memory outside it).
+    std::vector<int64_t> own_row(size_t(T), 0);
+    for (int64_t j = offset[me]; j < offset[me + 1]; ++j) own_row[size_t(src[j] - int64_t(me) * cap)] = j;
+    const int64_t C = ep_chunk_tokens(T);
     char* o = static_cast<char*>(out.data_ptr());
     std::vector<const char*> parts;
-    for (int64_t t = 0; t < T; ++t) {
-      parts.clear();
+    for (int64_t c = 0; c < ep_num_chunks(T); ++c) {
       for (int r = 0; r < W; ++r)
-        if (uint32_t(mask[t]) >> r & 1u) parts.push_back(layout_.combine_row(data(me), gen, r, t));
-      if (parts.empty())
-        std::memset(o + t * payload, 0, size_t(payload));
-      else
-        sum_in_order(cfg_.dtype, o + t * payload, parts, H);
+        if (r != me) wait_at_least(layout_.combine_flag(signals(me), gen, r, c), gen, kOpCombine, r);
+      for (int64_t t = c * C; t < std::min((c + 1) * C, T); ++t) {
+        parts.clear();
+        for (int r = 0; r < W; ++r) {
+          if (!(uint32_t(mask[t]) >> r & 1u)) continue;
+          parts.push_back(r == me ? yp + own_row[size_t(t)] * payload : layout_.combine_row(data(me), gen, r, t));
+        }
+        if (parts.empty())
+          std::memset(o + t * payload, 0, size_t(payload));
+        else
+          sum_in_order(cfg_.dtype, o + t * payload, parts, H);
+      }
     }
+    finish_op(kOpCombine, gen);
   }
 
  private:
-  // One round of the all_reduce protocol over a chunk cut into `sh` (elements
-  // of st), ops all_reduce and all_reduce_rmsnorm alike (one generation
-  // sequence, protocol.h): push every owner its share of `in`, sum this
-  // rank's share over the ranks into `sum` at its offset, call
-  // finish(begin, size) on that share, and then, unless one-shot, hand this
-  // rank's share of each of `outputs` to every peer (output k at k * q in the
-  // gather slot) and collect theirs.
-  template <typename Finish>
-  void exchange(int op, at::ScalarType st, const char* in, char* sum, const AllReduceShares& sh, Finish finish,
-                std::initializer_list<char*> outputs) {
+  // One round of the all_reduce protocol over a chunk cut into shares `sh`
+  // (elements of st), for all_reduce and all_reduce_rmsnorm alike (one
+  // generation sequence, protocol.h at kAllReduceSequence). For each piece b
+  // (piece(o, b, &e0, &e1): elements of owner o's share, each piece its own
+  // flag slot): push piece b of every owner's share of `in` into its inbox,
+  // sum this rank's piece over the ranks into `sum` (at the share's offset),
+  // call finish(first element, count) on it, then, unless one-shot, hand that
+  // piece of each of `outputs` to every peer (output k at k * q in the gather
+  // slot) and collect theirs.
+  template <typename Piece, typename Finish>
+  void exchange(int op, at::ScalarType st, const char* in, char* sum, const AllReduceShares& sh, int blocks,
+                Piece piece, Finish finish, std::initializer_list<char*> outputs) {
     const int W = cfg_.world, me = cfg_.rank;
     const int64_t elt = int64_t(c10::elementSize(st));
-    const uint64_t gen = next_generation(kAllReduceSequence);
-    for (int o = 0; o < W; ++o) {
-      if (o == me) continue;
-      std::memcpy(layout_.ar_slot(data(o), gen, me), in + sh.begin(o) * elt, size_t(sh.size(o) * elt));
-      store_release(layout_.ar_flag(signals(o), gen, 0, me, 0), gen);
-    }
+    const uint64_t gen = op_generation(kAllReduceSequence);
     std::vector<const char*> srcs(W);
-    for (int r = 0; r < W; ++r) {
-      if (r == me) {
-        srcs[r] = in + sh.begin(me) * elt;
-        continue;
+    for (int b = 0; b < blocks; ++b) {
+      for (int p = 0; p < W; ++p) {
+        if (p == me) continue;
+        int64_t e0, e1;
+        piece(p, b, &e0, &e1);
+        std::memcpy(layout_.ar_slot(data(p), gen, me) + e0 * elt, in + (sh.begin(p) + e0) * elt,
+                    size_t((e1 - e0) * elt));
+        store_release(layout_.ar_flag(signals(p), gen, 0, me, b), gen);
       }
-      wait_at_least(layout_.ar_flag(signals(me), gen, 0, r, 0), gen, op, r);
-      srcs[r] = layout_.ar_slot(data(me), gen, r);
+      int64_t e0, e1;
+      piece(me, b, &e0, &e1);
+      for (int r = 0; r < W; ++r) {
+        if (r == me) {
+          srcs[r] = in + (sh.begin(me) + e0) * elt;
+          continue;
+        }
+        wait_at_least(layout_.ar_flag(signals(me), gen, 0, r, b), gen, op, r);
+        srcs[r] = layout_.ar_slot(data(me), gen, r) + e0 * elt;
+      }
+      sum_in_order(st, sum + (sh.begin(me) + e0) * elt, srcs, e1 - e0);
+      finish(sh.begin(me) + e0, e1 - e0);
+      if (sh.one_shot) continue;
+      for (int p = 0; p < W; ++p) {
+        if (p == me) continue;
+        int64_t k = 0;
+        for (const char* o : outputs)
+          std::memcpy(layout_.ar_gather_slot(data(p), gen, me) + (k++ * sh.q + e0) * elt,
+                      o + (sh.begin(me) + e0) * elt, size_t((e1 - e0) * elt));
+        store_release(layout_.ar_flag(signals(p), gen, 1, me, b), gen);
+      }
+      for (int o = 0; o < W; ++o) {
+        if (o == me) continue;
+        wait_at_least(layout_.ar_flag(signals(me), gen, 1, o, b), gen, op, o);
+        int64_t f0, f1;
+        piece(o, b, &f0, &f1);
+        int64_t k = 0;
+        for (char* dst : outputs)
+          std::memcpy(dst + (sh.begin(o) + f0) * elt, layout_.ar_gather_slot(data(me), gen, o) + (k++ * sh.q + f0) * elt,
+                      size_t((f1 - f0) * elt));
+      }
     }
-    sum_in_order(st, sum + sh.begin(me) * elt, srcs, sh.size(me));
-    finish(sh.begin(me), sh.size(me));
-    if (sh.one_shot) return;
-    for (int p = 0; p < W; ++p) {
-      if (p == me) continue;
-      int64_t k = 0;
-      for (char* o : outputs)
-        std::memcpy(layout_.ar_gather_slot(data(p), gen, me) + k++ * sh.q * elt, o + sh.begin(me) * elt,
-                    size_t(sh.size(me) * elt));
-      store_release(layout_.ar_flag(signals(p), gen, 1, me, 0), gen);
-    }
-    for (int o = 0; o < W; ++o) {
-      if (o == me) continue;
-      wait_at_least(layout_.ar_flag(signals(me), gen, 1, o, 0), gen, op, o);
-      int64_t k = 0;
-      for (char* dst : outputs)
-        std::memcpy(dst + sh.begin(o) * elt, layout_.ar_gather_slot(data(me), gen, o) + k++ * sh.q * elt,
-                    size_t(sh.size(o) * elt));
-    }
+    finish_op(kAllReduceSequence, gen);
   }
 
   char* signals(int r) const { return bases_[r]; }
   char* data(int r) const { return bases_[r] + layout_.signal_bytes; }
 
-  // The counter lives in this rank's own segment and only this rank writes it.
-  uint64_t next_generation(int op) {
-    uint64_t* c = layout_.counter(signals(cfg_.rank), op);
-    const uint64_t gen = *c + 1;
-    *c = gen;
-    return gen;
-  }
+  // Generations, counted as the GPU counts them: an op reads counter + 1 at
+  // start and stores it back when it finishes, the end of the op standing in
+  // for the GPU's last block. Ops of a communicator run one after another on
+  // the calling thread. The counter lives in this rank's own segment and only
+  // this rank touches it. An op that raises (a timeout) does not advance it;
+  // the communicator is failed then anyway (check() raises), as after a GPU
+  // timeout.
+  uint64_t op_generation(int op) const { return *layout_.counter(signals(cfg_.rank), op) + 1; }
+  void finish_op(int op, uint64_t gen) { *layout_.counter(signals(cfg_.rank), op) = gen; }
 
-  // Bounded wait that yields the core: tests run 4 ranks on 2 cores.
+  // Bounded wait for `*flag >= gen` (why `>=`: protocol.h, at HeadSlot) that
+  // yields the core: tests run 4 ranks on 2 cores.
   void wait_at_least(const uint64_t* flag, uint64_t gen, int op, int peer) {
     if (load_acquire(flag) >= gen) return;
     const auto start = Clock::now();

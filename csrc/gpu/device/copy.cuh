@@ -1,4 +1,5 @@
-// Block-wide copies in the widest vector a row's size and alignment allow.
+// Block-wide copies in vectors of `vec` bytes, the widest a row's size and
+// alignment allow (widest_vector, launch.cuh).
 #pragma once
 
 #include "launch.cuh"

@@ -3,7 +3,7 @@
 // take. Both ops chunk a source's tokens with ep_chunk_tokens (protocol.h).
 #pragma once
 
-#include "sync.cuh"
+#include "launch.cuh"
 
 namespace rdna4_comm {
 namespace gpu {
