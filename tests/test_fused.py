@@ -23,7 +23,7 @@ SLOT = 8 << 10
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 EPS = 1e-6
 SETTINGS = settings(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
-                    max_examples=examples(25))
+                    max_examples=examples(12))
 
 
 def inputs(seed, rank, T, H, dtype, with_residual, weight_dtype):
