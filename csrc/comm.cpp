@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
@@ -156,14 +157,92 @@ at::Tensor Comm::all_reduce(const at::Tensor& x) {
   check_contiguous(op, "x", x);
   at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
   if (cfg_.world == 1) return out.copy_(x);
-  const int64_t n = x.numel(), elt = x.element_size();
-  const bool one_shot = allreduce_use_one_shot(n * elt, cfg_.world, /*gpu=*/dev.is_cuda());
-  const int64_t chunk = allreduce_chunk_elems(layout_.ar_slot_bytes, elt, cfg_.world, one_shot);
-  const char* in = static_cast<const char*>(x.data_ptr());
-  char* o = static_cast<char*>(out.data_ptr());
-  for (int64_t off = 0; off < n; off += chunk)
-    all_reduce_chunk(st, in + off * elt, o + off * elt, std::min(chunk, n - off), one_shot);
+  all_reduce_into(st, static_cast<const char*>(x.data_ptr()), static_cast<char*>(out.data_ptr()), x.numel(),
+                  dev.is_cuda());
   return out;
+}
+
+void Comm::all_reduce_into(at::ScalarType st, const char* in, char* out, int64_t n, bool gpu) {
+  const int64_t elt = int64_t(c10::elementSize(st));
+  const bool one_shot = allreduce_use_one_shot(n * elt, cfg_.world, gpu);
+  const int64_t chunk = allreduce_chunk_elems(layout_.ar_slot_bytes, elt, cfg_.world, one_shot);
+  for (int64_t off = 0; off < n; off += chunk)
+    all_reduce_chunk(st, in + off * elt, out + off * elt, std::min(chunk, n - off), one_shot);
+}
+
+std::pair<at::Tensor, at::Tensor> Comm::all_reduce_rmsnorm(const at::Tensor& x,
+                                                           const c10::optional<at::Tensor>& residual,
+                                                           const at::Tensor& weight, double eps) {
+  check();
+  static const char* op = "all_reduce_rmsnorm";
+  const auto dev = device();
+  check_device(op, "x", x, dev);
+  const auto st = x.scalar_type();
+  TORCH_CHECK_TYPE(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, op,
+                   ": x must be torch.float32, torch.bfloat16 or torch.float16, got ", dtype_name(st));
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) >= 1, op, ": x must have shape [..., H] with H >= 1, got ",
+                    shape_str(x));
+  check_contiguous(op, "x", x);
+  const int64_t H = x.size(-1);
+  if (residual.has_value()) {
+    check_device(op, "residual", *residual, dev);
+    check_shape(op, "residual", *residual, x.sizes().vec(), "x's shape");
+    check_dtype(op, "residual", *residual, st);
+    check_contiguous(op, "residual", *residual);
+  }
+  check_device(op, "weight", weight, dev);
+  check_shape(op, "weight", weight, {H}, "[H], x's last dimension");
+  TORCH_CHECK_TYPE(weight.scalar_type() == st || weight.scalar_type() == at::kFloat, op, ": weight must be ",
+                   dtype_name(st), " (x's dtype) or torch.float32, got ", dtype_name(weight.scalar_type()));
+  check_contiguous(op, "weight", weight);
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps > 0 && std::isfinite(float(eps)), op,
+                    ": eps must be a finite float > 0, got ", eps);
+
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor res_out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const int64_t T = x.numel() / H, elt = x.element_size(), row_bytes = H * elt;
+  if (T == 0) return {out, res_out};
+  const bool gpu = dev.is_cuda();
+  const int path = rmsnorm_path(T, H, elt, cfg_.world, gpu, layout_.ar_slot_bytes);
+  RmsNormRows c{};
+  c.dtype = st;
+  c.x = static_cast<const char*>(x.data_ptr());
+  c.residual = residual.has_value() ? static_cast<const char*>(residual->data_ptr()) : nullptr;
+  c.weight = weight.data_ptr();
+  c.weight_fp32 = weight.scalar_type() != st;
+  c.out = static_cast<char*>(out.data_ptr());
+  c.residual_out = static_cast<char*>(res_out.data_ptr());
+  c.hidden = H;
+  c.eps = float(eps);
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  c.vectorized = row_bytes % 16 == 0 && aligned(c.x) && aligned(c.residual) && aligned(c.weight) &&
+                 aligned(c.out) && aligned(c.residual_out);
+  rmsnorm_counts_[path] += 1;
+  if (gpu && c.vectorized && rmsnorm_row_in_registers(H, elt)) rmsnorm_counts_[kRowInRegistersCount] += 1;
+  if (path == kRmsNormAllReduceThenNorm) {
+    // The sum lands in residual_out, where the norm reads it back.
+    if (cfg_.world == 1)
+      res_out.copy_(x);
+    else
+      all_reduce_into(st, c.x, c.residual_out, x.numel(), gpu);
+    c.x = c.residual_out;
+    c.rows = T;
+    rmsnorm_local(c);
+    return {out, res_out};
+  }
+  const bool one_stage = path == kRmsNormOneStage;
+  const int64_t chunk = rmsnorm_chunk_rows(layout_.ar_slot_bytes, row_bytes, cfg_.world, one_stage);
+  for (int64_t row = 0; row < T; row += chunk) {
+    RmsNormRows part = c;
+    const int64_t skip = row * row_bytes;
+    part.x += skip;
+    if (part.residual) part.residual += skip;
+    part.out += skip;
+    part.residual_out += skip;
+    part.rows = std::min(chunk, T - row);
+    all_reduce_rmsnorm_chunk(part, one_stage);
+  }
+  return {out, res_out};
 }
 
 Dispatched Comm::allocate_dispatched(int64_t ntok, bool with_weights) const {

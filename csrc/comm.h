@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <memory>
 #include <string>
 #include <vector>
@@ -58,6 +59,24 @@ struct Dispatched {
   at::Tensor send_mask;   // [T] int32: bit d set when the token was sent to rank d
 };
 
+// One chunk of all_reduce_rmsnorm: `rows` whole rows of `hidden` elements,
+// row-major and contiguous. residual is null without one; weight holds
+// `hidden` elements of dtype, or of fp32 when weight_fp32.
+struct RmsNormRows {
+  at::ScalarType dtype;
+  const char* x;
+  const char* residual;
+  const void* weight;
+  bool weight_fp32;
+  char* out;
+  char* residual_out;
+  int64_t rows, hidden;
+  float eps;
+  // Every pointer 16-byte aligned and rows whole 16-byte vectors (GPU copies
+  // and sums in vectors then).
+  bool vectorized;
+};
+
 class Comm {
  public:
   explicit Comm(CommConfig cfg);
@@ -90,11 +109,25 @@ class Comm {
                       const c10::optional<at::Tensor>& topk_weights);
   at::Tensor combine(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
                      const at::Tensor& src_tokens, const at::Tensor& send_mask);
+  // (out, residual_out); see docs/semantics.md, "all_reduce_rmsnorm".
+  std::pair<at::Tensor, at::Tensor> all_reduce_rmsnorm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                                       const at::Tensor& weight, double eps);
+
+  // Calls of all_reduce_rmsnorm by path (RmsNormPath), and, last, how many
+  // of them kept their rows in registers (GPU transport only).
+  static constexpr int kRowInRegistersCount = kNumRmsNormPaths;
+  const std::array<int64_t, kNumRmsNormPaths + 1>& rmsnorm_path_counts() const { return rmsnorm_counts_; }
 
  protected:
   // Called with validated, contiguous arguments. all_reduce runs chunk by
   // chunk: n elements of dtype st (at most allreduce_chunk_elems), W > 1.
   virtual void all_reduce_chunk(at::ScalarType st, const char* in, char* out, int64_t n, bool one_shot) = 0;
+  // all_reduce_rmsnorm of one chunk (at most rmsnorm_chunk_rows rows), one
+  // round of the all_reduce protocol.
+  virtual void all_reduce_rmsnorm_chunk(const RmsNormRows& c, bool one_stage) = 0;
+  // The residual add and the norm alone, no communication: c.x holds the
+  // reduced rows already (it may alias c.residual_out).
+  virtual void rmsnorm_local(const RmsNormRows& c) = 0;
   virtual void dispatch_impl(const at::Tensor& x, const at::Tensor& topk_idx,
                              const c10::optional<at::Tensor>& topk_weights, Dispatched& out) = 0;
   virtual void combine_impl(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
@@ -109,9 +142,12 @@ class Comm {
   CommConfig cfg_;
   Layout layout_;
   std::vector<PeerProcess> watched_;
+  std::array<int64_t, kNumRmsNormPaths + 1> rmsnorm_counts_{};
 
  private:
   Dispatched allocate_dispatched(int64_t ntok, bool with_weights) const;
+  // The chunk loop of all_reduce: n elements of dtype st from in to out.
+  void all_reduce_into(at::ScalarType st, const char* in, char* out, int64_t n, bool gpu);
 };
 
 void register_comm(std::shared_ptr<Comm> comm);

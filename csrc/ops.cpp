@@ -43,6 +43,24 @@ at::Tensor combine_op(const at::Tensor& y, const at::Tensor& recv_src, const at:
   return c->combine(y, recv_src, counts, src_tokens, send_mask);
 }
 
+std::tuple<at::Tensor, at::Tensor> all_reduce_rmsnorm_op(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                                        const at::Tensor& weight, double eps, at::Tensor& order,
+                                                        c10::string_view comm) {
+  auto c = find_comm(std::string(comm));
+  check_order_token("all_reduce_rmsnorm", order, c->device());
+  auto [out, residual_out] = c->all_reduce_rmsnorm(x, residual, weight, eps);
+  return {out, residual_out};
+}
+
+// Calls of all_reduce_rmsnorm by path, and how many kept rows in registers.
+py::dict rmsnorm_path_counts(const std::string& id) {
+  const auto& counts = find_comm(id)->rmsnorm_path_counts();
+  py::dict d;
+  for (int p = 0; p < kNumRmsNormPaths; ++p) d[rmsnorm_path_name(p)] = counts[p];
+  d["row_in_registers"] = counts[Comm::kRowInRegistersCount];
+  return d;
+}
+
 py::bytes create(const CommConfig& c) {
   std::shared_ptr<Comm> comm;
   if (c.transport == "cpu") {
@@ -85,12 +103,16 @@ TORCH_LIBRARY(rdna4_comm, m) {
   m.def(
       "combine(Tensor y, Tensor recv_src, Tensor counts, Tensor src_tokens, Tensor send_mask, "
       "Tensor(a!) order, str comm) -> Tensor");
+  m.def(
+      "all_reduce_rmsnorm(Tensor x, Tensor? residual, Tensor weight, float eps, Tensor(a!) order, str comm) -> "
+      "(Tensor out, Tensor residual_out)");
 }
 
 TORCH_LIBRARY_IMPL(rdna4_comm, CPU, m) {
   m.impl("all_reduce", &all_reduce_op);
   m.impl("dispatch", &dispatch_op);
   m.impl("combine", &combine_op);
+  m.impl("all_reduce_rmsnorm", &all_reduce_rmsnorm_op);
 }
 
 #ifdef RDNA4_COMM_WITH_GPU
@@ -99,6 +121,7 @@ TORCH_LIBRARY_IMPL(rdna4_comm, CUDA, m) {
   m.impl("all_reduce", &all_reduce_op);
   m.impl("dispatch", &dispatch_op);
   m.impl("combine", &combine_op);
+  m.impl("all_reduce_rmsnorm", &all_reduce_rmsnorm_op);
 }
 #endif
 
@@ -158,6 +181,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_grid("dispatch_grid", &dispatch_grid);
   bind_grid("combine_grid", &combine_grid);
   testing.def("allreduce_blocks", &allreduce_blocks, py::arg("share_bytes"), py::arg("sm_count"));
+  m.def("rmsnorm_path_counts", &rmsnorm_path_counts, "Calls of all_reduce_rmsnorm by path");
+  // The fused op's gate: the predicates the op itself uses (protocol.h).
+  m.def("rmsnorm_path", [](int64_t tokens, int64_t hidden, int64_t elt, int world, bool gpu, int64_t slot_bytes) {
+    return std::string(rmsnorm_path_name(rmsnorm_path(tokens, hidden, elt, world, gpu, slot_bytes)));
+  }, py::arg("tokens"), py::arg("hidden"), py::arg("elt"), py::arg("world"), py::arg("gpu"), py::arg("slot_bytes"));
+  m.def("rmsnorm_row_in_registers", &rmsnorm_row_in_registers, py::arg("hidden"), py::arg("elt"));
+  m.def("aligned_slot_bytes", [](int64_t slot_bytes) { return int64_t(align_up(size_t(slot_bytes), kAlign)); },
+        py::arg("slot_bytes"));
+  testing.def("rmsnorm_use_one_stage", &rmsnorm_use_one_stage, py::arg("tokens"), py::arg("row_bytes"),
+              py::arg("world"), py::arg("gpu"));
+  testing.def("rmsnorm_chunk_rows", &rmsnorm_chunk_rows, py::arg("slot_bytes"), py::arg("row_bytes"),
+              py::arg("world"), py::arg("one_stage"));
+  testing.def("rmsnorm_register_row_elems", &rmsnorm_register_row_elems, py::arg("elt"));
   py::dict one_shot_max;
   one_shot_max["cpu"] = kCpuOneShotMaxBytes;
   one_shot_max["gpu"] = kGpuOneShotMaxBytes;

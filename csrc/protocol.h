@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cmath>
 
 #include "qualifiers.h"
 
@@ -25,14 +26,32 @@ constexpr size_t kAlign = 256;
 // allocations; every exported GPU allocation is at least this large.
 constexpr size_t kMinGpuAllocation = size_t(2) << 20;
 
-enum Op : int { kOpAllReduce = 0, kOpDispatch = 1, kOpCombine = 2, kOpProbe = 3, kNumOps = 4 };
+enum Op : int {
+  kOpAllReduce = 0,
+  kOpDispatch = 1,
+  kOpCombine = 2,
+  kOpProbe = 3,
+  kOpAllReduceRmsNorm = 4,
+  kNumOps = 5
+};
 
 RC_HD const char* op_name(int op) {
-  return op == kOpAllReduce ? "all_reduce"
-         : op == kOpDispatch ? "dispatch"
-         : op == kOpCombine  ? "combine"
-                             : "p2p_probe";
+  return op == kOpAllReduce          ? "all_reduce"
+         : op == kOpDispatch         ? "dispatch"
+         : op == kOpCombine          ? "combine"
+         : op == kOpAllReduceRmsNorm ? "all_reduce_rmsnorm"
+                                     : "p2p_probe";
 }
+
+// all_reduce_rmsnorm shares all_reduce's generation counter, flag slots and
+// regions: to the protocol it is one more all_reduce. Why that is safe: both
+// ops are full exchanges (every rank waits for every peer's flags of the op
+// before it finishes it), so one counter over both keeps the invariant the
+// parity rule rests on (a writer is at most one generation of the sequence
+// ahead of any reader), and every flag slot still only grows. Own regions
+// would double the largest part of the heap for nothing. Timeouts still name
+// the op that waited (kOpAllReduceRmsNorm) and the generation of the sequence.
+constexpr int kAllReduceSequence = kOpAllReduce;
 
 // A flag word holds the generation of the op that wrote it, and a reader of
 // op gen waits until `flag >= gen`. Why that is exact: a slot of parity
@@ -188,6 +207,82 @@ RC_HD EpGrid combine_grid(int64_t ntok, int world, int sm_count) {
 RC_HD int allreduce_blocks(int64_t share_bytes, int sm_count) {
   const int64_t most = sm_count / 2 < kMaxAllReduceBlocks ? sm_count / 2 : kMaxAllReduceBlocks;
   return clamp_blocks(ceil_div(share_bytes, kAllReduceBytesPerBlock), most);
+}
+
+// ------------------------------------------------ all_reduce + RMSNorm
+
+// The fused op's rows. Its GPU kernel gives each row to one block of
+// kRmsNormBlockThreads threads (the kernels' kThreads, asserted there); a
+// thread takes the row's 16-byte vectors t, t + threads, ... A row of at most
+// kRmsNormRowVectorsPerThread vectors per thread stays in registers between
+// the sum of squares and the normalisation; longer rows, and rows that are
+// not whole vectors, are re-read from residual_out (any H works).
+constexpr int kRmsNormBlockThreads = 512;
+constexpr int kRmsNormRowVectorsPerThread = 4;
+RC_HD int64_t rmsnorm_vector_elems(int64_t elt) { return 16 / elt; }
+RC_HD int64_t rmsnorm_register_row_elems(int64_t elt) {
+  return int64_t(kRmsNormBlockThreads) * kRmsNormRowVectorsPerThread * rmsnorm_vector_elems(elt);
+}
+// The fast-path predicate for a row of `hidden` elements of `elt` bytes
+// (the tensors must also be 16-byte aligned, which fresh torch tensors are).
+RC_HD bool rmsnorm_row_in_registers(int64_t hidden, int64_t elt) {
+  return hidden % rmsnorm_vector_elems(elt) == 0 && hidden <= rmsnorm_register_row_elems(elt);
+}
+
+// One-stage: every rank pushes its partial rows to every peer and finishes
+// every row (one barrier). Two-stage: rank o owns a shard of the tokens,
+// finishes it and pushes its out and residual_out rows to every peer (two
+// barriers, the norm's work split W ways). As for all_reduce, one-stage
+// while the rows are small (the same size cap) and always at W <= 2 (fewer
+// link bytes: (W-1)*N against 3*(W-1)/W*N); also while there are fewer
+// tokens than ranks, where two-stage would leave ranks without a row.
+RC_HD bool rmsnorm_use_one_stage(int64_t tokens, int64_t row_bytes, int world, bool gpu) {
+  return world <= 2 || tokens < world || allreduce_use_one_shot(tokens * row_bytes, world, gpu);
+}
+// Rows per chunk, chunks being whole rows: one-stage sends a peer the whole
+// chunk, which fills at most one all_reduce slot; two-stage sends each owner
+// its shard and gets back the owner's out and residual_out rows, both in one
+// gather slot. 0: a row is wider than that, and the op runs all_reduce (its
+// own chunking) and then the residual add and the norm locally.
+RC_HD int64_t rmsnorm_chunk_rows(int64_t slot_bytes, int64_t row_bytes, int world, bool one_stage) {
+  return one_stage ? slot_bytes / row_bytes : world * (slot_bytes / (2 * row_bytes));
+}
+enum RmsNormPath : int { kRmsNormOneStage = 0, kRmsNormTwoStage = 1, kRmsNormAllReduceThenNorm = 2, kNumRmsNormPaths = 3 };
+RC_HD const char* rmsnorm_path_name(int path) {
+  return path == kRmsNormOneStage ? "one_stage" : path == kRmsNormTwoStage ? "two_stage" : "all_reduce_then_norm";
+}
+RC_HD int rmsnorm_path(int64_t tokens, int64_t hidden, int64_t elt, int world, bool gpu, int64_t slot_bytes) {
+  const bool one_stage = rmsnorm_use_one_stage(tokens, hidden * elt, world, gpu);
+  if (rmsnorm_chunk_rows(slot_bytes, hidden * elt, world, one_stage) == 0) return kRmsNormAllReduceThenNorm;
+  return one_stage ? kRmsNormOneStage : kRmsNormTwoStage;
+}
+// Two-stage shards of a chunk of n rows: owner o finishes rows
+// [o*q, min((o+1)*q, n)), q = ceil(n / W); the last shards may be short or empty.
+RC_HD AllReduceShares rmsnorm_shards(int64_t n, int world, bool one_stage) {
+  return {n, one_stage ? n : ceil_div(n, world), one_stage};
+}
+
+// Fused grid: a block finishes whole rows, block b the rows [b*per, (b+1)*per)
+// of every shard (per = ceil(shard rows / blocks)); block b has its own flag
+// slots, so every rank derives the same block count from the shard size.
+RC_HD int rmsnorm_blocks(int64_t shard_rows, int sm_count) {
+  const int64_t most = sm_count / 2 < kMaxAllReduceBlocks ? sm_count / 2 : kMaxAllReduceBlocks;
+  return clamp_blocks(shard_rows, most);
+}
+RC_HD void rmsnorm_piece(int64_t n, int b, int blocks, int64_t* r0, int64_t* r1) {
+  const int64_t per = ceil_div(n, blocks);
+  *r0 = per * b < n ? per * b : n;
+  *r1 = per * (b + 1) < n ? per * (b + 1) : n;
+}
+
+// The norm's arithmetic, shared by every transport: 1 / sqrt(mean + eps) with
+// IEEE division and square root, the value torch's rsqrt gives on the CPU.
+RC_HD float rmsnorm_inv_rms(float sum_squares, int64_t hidden, float eps) {
+#if defined(__HIP__)
+  return 1.0f / __builtin_sqrtf(sum_squares / float(hidden) + eps);
+#else
+  return 1.0f / sqrtf(sum_squares / float(hidden) + eps);
+#endif
 }
 
 // --------------------------------------------------------------- routing

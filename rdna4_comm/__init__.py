@@ -5,11 +5,22 @@
     d = comm.dispatch(x, topk_idx, topk_weights)       # -> rc.Dispatched
     out = comm.combine(expert_out, d.handle)           # -> [T, H]
     y = comm.all_reduce(t)
+    out, residual = comm.all_reduce_rmsnorm(partial, residual, norm_weight)
 """
 from . import ops as _ops  # noqa: F401  (schemas and fakes)
 from . import reference
-from .communicator import Communicator, DispatchHandle, Dispatched, allreduce_algorithm
+from .communicator import (
+    Communicator,
+    DispatchHandle,
+    Dispatched,
+    all_reduce_rmsnorm_algorithm,
+    all_reduce_rmsnorm_row_in_registers,
+    allreduce_algorithm,
+)
 from .ops import mark_dynamic_tokens
 
-__all__ = ["Communicator", "Dispatched", "DispatchHandle", "allreduce_algorithm", "mark_dynamic_tokens", "reference"]
+__all__ = [
+    "Communicator", "Dispatched", "DispatchHandle", "all_reduce_rmsnorm_algorithm",
+    "all_reduce_rmsnorm_row_in_registers", "allreduce_algorithm", "mark_dynamic_tokens", "reference",
+]
 __version__ = "0.1.0"

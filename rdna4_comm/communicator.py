@@ -319,6 +319,42 @@ class Communicator:
         self._check_open()
         return torch.ops.rdna4_comm.all_reduce(x, self._order, self.id)
 
+    def all_reduce_rmsnorm(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float = 1e-6
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """all_reduce, residual add and RMSNorm in one collective: the
+        tensor-parallel step after a row-parallel layer. Collective.
+
+        Args:
+            x: [..., H] torch.bfloat16, torch.float16 or torch.float32,
+                contiguous: this rank's partial sums; the same shape and dtype
+                on every rank.
+            residual: x's shape and dtype, or None.
+            weight: [H] of x's dtype or torch.float32.
+            eps: finite float > 0.
+
+        Returns:
+            ``(out, residual_out)``, both of x's shape and dtype:
+            ``residual_out = round(all_reduce(x) + residual)`` (just the sum
+            without residual), bitwise ``comm.all_reduce(x) + residual``;
+            ``out = round(weight * round(r * rsqrt(mean(r**2, -1) + eps)))``
+            with r = residual_out in float32. Bitwise identical on every rank
+            and run to run; see docs/semantics.md, "all_reduce_rmsnorm", for
+            the bound against the torch composition and the paths
+            (``rdna4_comm.all_reduce_rmsnorm_algorithm``).
+        """
+        self._check_open()
+        if not isinstance(eps, (float, int)) or isinstance(eps, bool):
+            raise TypeError(f"all_reduce_rmsnorm: eps must be a float, got {type(eps).__name__}")
+        return torch.ops.rdna4_comm.all_reduce_rmsnorm(x, residual, weight, float(eps), self._order, self.id)
+
+    def fused_path_counts(self) -> dict[str, int]:
+        """Calls of :meth:`all_reduce_rmsnorm` on this rank by path ("one_stage",
+        "two_stage", "all_reduce_then_norm"), and "row_in_registers": how many
+        of them kept each row in registers (GPU transport)."""
+        self._check_open()
+        return _C.rmsnorm_path_counts(self.id)
+
     def dispatch(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor] = None
     ) -> Dispatched:
@@ -436,3 +472,25 @@ def allreduce_algorithm(nbytes: int, world_size: int, transport: str) -> str:
     """The all_reduce path for a tensor of ``nbytes``: "one_shot" or "two_shot"
     (the predicate the C++ ops use, see csrc/protocol.h)."""
     return "one_shot" if _C.allreduce_use_one_shot(nbytes, world_size, transport == "gpu") else "two_shot"
+
+
+def all_reduce_rmsnorm_algorithm(
+    tokens: int, hidden: int, dtype: torch.dtype, world_size: int, transport: str,
+    allreduce_slot_bytes: Optional[int] = None,
+) -> str:
+    """The path :meth:`Communicator.all_reduce_rmsnorm` takes for ``tokens``
+    rows of ``hidden`` elements: "one_stage", "two_stage", or
+    "all_reduce_then_norm" when a row does not fit the communicator's
+    all_reduce slot (``allreduce_slot_bytes``, default the transport's). The
+    predicate the C++ op itself uses (csrc/protocol.h, rmsnorm_path)."""
+    slot = DEFAULT_ALLREDUCE_SLOT_BYTES[transport] if allreduce_slot_bytes is None else allreduce_slot_bytes
+    elt = torch.empty((), dtype=dtype).element_size()
+    return _C.rmsnorm_path(tokens, hidden, elt, world_size, transport == "gpu", _C.aligned_slot_bytes(slot))
+
+
+def all_reduce_rmsnorm_row_in_registers(hidden: int, dtype: torch.dtype) -> bool:
+    """Whether the GPU kernel keeps a row of ``hidden`` elements in registers
+    (its fast path: whole 16-byte vectors, at most
+    ``_C.rmsnorm_register_row_elems(element size)`` elements); other rows are
+    re-read from residual_out. Same result either way."""
+    return _C.rmsnorm_row_in_registers(hidden, torch.empty((), dtype=dtype).element_size())

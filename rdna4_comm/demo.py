@@ -12,9 +12,13 @@ every process:
    rdna4_comm.moe.dense_moe, within bf16 rounding;
 3. a raw dispatch -> combine round trip, bitwise equal to
    rdna4_comm.reference.dispatch/combine;
+4. a tensor-parallel MLP block (rdna4_comm.tp.TensorParallelMLP: sharded
+   matmuls, then all_reduce_rmsnorm into the next norm) against the
+   single-process rdna4_comm.tp.dense_mlp_block, within bf16 rounding;
 
 and, when every check passed on every rank, a latency table of rdna4_comm
-against torch.distributed, timed as the benchmarks time it (benchmarks/).
+against torch.distributed, timed as the benchmarks time it (benchmarks/),
+and the TP block with the fused op against the same block unfused.
 Exits 1 if anything failed.
 """
 from __future__ import annotations
@@ -28,11 +32,13 @@ from . import _C, reference
 from ._bench.cases import EP_EXPERTS, EP_TOPK, allreduce_ops, ep_ops, record
 from ._bench.checks import assert_same, rand
 from ._bench.report import comparison_table
-from ._bench.timing import measure
+from ._bench.timing import Op, measure
 from ._bench.world import CheckFailed, describe, launch, resolve_world
 from ._launch import WorldFailed
 from .communicator import Communicator, allreduce_algorithm
 from .moe import ExpertParallelMoE, dense_moe, init_weights
+from .tp import TensorParallelMLP, dense_mlp_block
+from .tp import init_weights as init_tp_weights
 
 # The checks' layer: small enough for CPU processes, big enough for several
 # experts per rank and tokens routed to every rank.
@@ -45,6 +51,9 @@ ALLREDUCE_SHAPES = [(3,), (8, 4096), (512, 4096), (5 << 20,)]
 TABLE_ALLREDUCE_TOKENS = (1, 32, 512)
 TABLE_EP_TOKENS = (8, 128)
 TABLE_EP_HIDDEN = 2048
+# The TP block of the check and the table (bf16), small enough for CPU processes.
+TP_HIDDEN, TP_FFN = 1024, 2048
+TABLE_TP_TOKENS = (1, 32)
 
 
 def check_all_reduce(ctx, comm) -> str:
@@ -80,10 +89,41 @@ def check_round_trip(ctx, comm) -> str:
     return f"{CAP} tokens x {HIDDEN}: every dispatch output and the combine result bitwise equal to the reference"
 
 
+def check_tp(ctx, comm) -> str:
+    """TensorParallelMLP over the ranks equals dense_mlp_block within bf16 rounding."""
+    weights = init_tp_weights(2, TP_HIDDEN, TP_FFN)
+    block = TensorParallelMLP(comm, weights)
+    normed = rand(200, 0, (16, TP_HIDDEN), torch.bfloat16)
+    residual = rand(201, 0, (16, TP_HIDDEN), torch.bfloat16)
+    out, residual_out = block(normed.to(ctx.device), residual.to(ctx.device))
+    dense_out, dense_residual = dense_mlp_block(normed, residual, weights)
+    torch.testing.assert_close(residual_out.cpu().float(), dense_residual.float(), rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(out.cpu().float(), dense_out.float(), rtol=3e-2, atol=3e-2)
+    return (f"16 tokens x {TP_HIDDEN}, ffn {TP_FFN} over {ctx.world} ranks: max |difference| "
+            f"{(out.cpu().float() - dense_out.float()).abs().max().item():.3g}")
+
+
+def tp_block_ops(ctx, comm, tokens: int) -> list[Op]:
+    """The TP block with all_reduce_rmsnorm against the same block unfused
+    (all_reduce, add, RMSNorm): the same residual_out bitwise."""
+    block = TensorParallelMLP(comm, init_tp_weights(2, TP_HIDDEN, TP_FFN))
+    normed = rand(300, 0, (tokens, TP_HIDDEN), torch.bfloat16).to(ctx.device)
+    residual = rand(301, 0, (tokens, TP_HIDDEN), torch.bfloat16).to(ctx.device)
+    expected = block.unfused(normed, residual)[1].cpu()
+
+    def check(result):
+        assert_same(result[1].cpu(), expected, f"TP block [{tokens}, {TP_HIDDEN}] residual_out, fused vs unfused")
+
+    return [Op("rdna4_comm", lambda: block(normed, residual), check, detail="TP block, all_reduce_rmsnorm"),
+            Op("rdna4_comm_unfused", lambda: block.unfused(normed, residual), check,
+               detail="TP block, all_reduce + add + RMSNorm")]
+
+
 CHECKS = [
     ("all_reduce", check_all_reduce),
     ("MoE layer (dispatch -> experts -> combine) vs dense_moe", check_moe),
     ("dispatch/combine round trip", check_round_trip),
+    ("tensor-parallel MLP block (all_reduce_rmsnorm) vs dense_mlp_block", check_tp),
 ]
 
 
@@ -110,6 +150,10 @@ def _demo(ctx, rounds: int, samples: int) -> None:
         for tokens in TABLE_ALLREDUCE_TOKENS:
             ops = allreduce_ops(ctx, comm, tokens, 4096)
             records.append(record("all_reduce", tokens, 4096, torch.float32, ops,
+                                  measure(ctx, ops, rounds=rounds, samples=samples)))
+        for tokens in TABLE_TP_TOKENS:
+            ops = tp_block_ops(ctx, comm, tokens)
+            records.append(record("TP MLP block", tokens, TP_HIDDEN, torch.bfloat16, ops,
                                   measure(ctx, ops, rounds=rounds, samples=samples)))
     for tokens in TABLE_EP_TOKENS:
         with Communicator(ctx.cpu_group, max_tokens_per_rank=tokens, hidden=TABLE_EP_HIDDEN, topk=EP_TOPK,

@@ -111,3 +111,10 @@ def _combine_fake(y, recv_src, counts, src_tokens, send_mask, order, comm):
     s = _config_of(comm, "combine", y=y, recv_src=recv_src, counts=counts, src_tokens=src_tokens,
                 send_mask=send_mask, order=order)
     return y.new_empty((send_mask.shape[0], s.hidden))
+
+
+@torch.library.register_fake("rdna4_comm::all_reduce_rmsnorm")
+def _all_reduce_rmsnorm_fake(x, residual, weight, eps, order, comm):
+    _config_of(comm, "all_reduce_rmsnorm", x=x, residual=residual, weight=weight, order=order)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return out, torch.empty_like(out)

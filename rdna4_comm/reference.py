@@ -25,6 +25,26 @@ def all_reduce(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     return _sum_in_rank_order(xs).to(xs[0].dtype)
 
 
+def rms_norm(r: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as model code writes it: normalise in float32, round to r's
+    dtype, multiply by the weight in float32 and round once to r's dtype."""
+    r32 = r.float()
+    normalised = (r32 * torch.rsqrt(r32.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype)
+    return (weight.float() * normalised.float()).to(r.dtype)
+
+
+def all_reduce_rmsnorm(
+    xs: Sequence[torch.Tensor], residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, residual_out)`` of ``Communicator.all_reduce_rmsnorm`` given
+    every rank's x (``xs[r]``): the unfused composition in torch ops,
+    ``r = all_reduce(xs) + residual`` and ``out = rms_norm(r, weight, eps)``."""
+    r = all_reduce(xs)
+    if residual is not None:
+        r = r + residual
+    return rms_norm(r, weight, eps), r
+
+
 def expert_owners(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> torch.Tensor:
     """[T, K] int64: the rank owning each slot's expert, -1 for dropped ids."""
     idx = topk_idx.long()

@@ -25,7 +25,8 @@ def test_demo_checks_pass_and_prints_a_latency_table():
     r = run("-m", "rdna4_comm.demo", *FAST)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "world of 2 (CPU processes" in r.stdout
-    assert r.stdout.count("  ok    ") == 3 and "FAIL" not in r.stdout
+    assert r.stdout.count("  ok    ") == 4 and "FAIL" not in r.stdout
+    assert "TP MLP block" in r.stdout and "rdna4_comm_unfused p50 us" in r.stdout
     assert "rdna4_comm p50 us" in r.stdout and "gloo p50 us" in r.stdout
     assert "demo: all checks passed" in r.stdout
 
@@ -33,6 +34,7 @@ def test_demo_checks_pass_and_prints_a_latency_table():
 @pytest.mark.parametrize("script, op, backends", [
     ("bench_allreduce.py", "all_reduce", {"rdna4_comm", "gloo"}),
     ("bench_ep.py", "dispatch+combine", {"rdna4_comm", "gloo"}),
+    ("bench_fused.py", "all_reduce_rmsnorm", {"rdna4_comm", "rdna4_comm_unfused", "gloo"}),
 ])
 def test_quick_benchmark(tmp_path, script, op, backends):
     out = tmp_path / "results.jsonl"

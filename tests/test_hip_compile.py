@@ -22,6 +22,7 @@ SOURCES = sorted((ROOT / "csrc" / "gpu").glob("*.cu"))
 # The kernels each file must define (a name may appear as several instantiations).
 KERNELS_OF = {
     "all_reduce.cu": ["all_reduce_kernel"],
+    "all_reduce_rmsnorm.cu": ["all_reduce_rmsnorm_kernel"],
     "dispatch.cu": ["dispatch_kernel"],
     "combine.cu": ["combine_kernel"],
     "probe.cu": ["probe_kernel"],
@@ -89,6 +90,8 @@ def test_every_kernel_is_there(gfx1201_asm):
             assert k in names, f"{k} missing from {source}"
     # The top-k 8 fast path and the generic path, for int32 and int64 ids.
     assert len([n for n in kernels(gfx1201_asm["dispatch.cu"]) if "dispatch_kernel" in n]) == 4
+    # Rows in registers, rows of vectors, rows of elements, for three dtypes.
+    assert len([n for n in kernels(gfx1201_asm["all_reduce_rmsnorm.cu"]) if "all_reduce_rmsnorm_kernel" in n]) == 9
 
 
 def test_flags_are_published_with_system_scope_stores(gfx1201):

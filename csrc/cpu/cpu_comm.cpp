@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <initializer_list>
 #include <cstring>
 #include <random>
 #include <sstream>
@@ -71,6 +72,34 @@ void sum_in_order(at::ScalarType st, char* out, const std::vector<const char*>& 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, st, "rdna4_comm_sum", [&] {
     sum_rows<scalar_t>(reinterpret_cast<scalar_t*>(out), srcs, n);
   });
+}
+
+// The residual add and the norm of rows whose all_reduce sum is c.x, in the
+// op's roundings (docs/semantics.md): r = round(s + residual); out =
+// round(w * round(r * inv_rms)). The sum of squares runs over kLanes strided
+// partial sums combined pairwise, a fixed order (bitwise equal results on
+// every rank and run) that stays close to torch's pairwise mean.
+template <typename T, typename W>
+void rmsnorm_rows(const RmsNormRows& c) {
+  constexpr int kLanes = 16;
+  const int64_t H = c.hidden;
+  const W* w = static_cast<const W*>(c.weight);
+  for (int64_t row = 0; row < c.rows; ++row) {
+    const T* s = reinterpret_cast<const T*>(c.x) + row * H;
+    const T* res = c.residual ? reinterpret_cast<const T*>(c.residual) + row * H : nullptr;
+    T* r = reinterpret_cast<T*>(c.residual_out) + row * H;
+    T* out = reinterpret_cast<T*>(c.out) + row * H;
+    float lanes[kLanes] = {};
+    for (int64_t i = 0; i < H; ++i) {
+      const T v = res ? T(float(s[i]) + float(res[i])) : s[i];
+      r[i] = v;
+      lanes[i % kLanes] += float(v) * float(v);
+    }
+    for (int width = kLanes / 2; width > 0; width /= 2)
+      for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+    const float inv = rmsnorm_inv_rms(lanes[0], H, c.eps);
+    for (int64_t i = 0; i < H; ++i) out[i] = T(float(w[i]) * float(T(float(r[i]) * inv)));
+  }
 }
 
 class CpuComm final : public Comm {
@@ -137,54 +166,47 @@ class CpuComm final : public Comm {
   // rank: piece b waits only for the peers' piece b, which each publishes
   // before any wait of its own piece b.
   void all_reduce_chunk(at::ScalarType st, const char* in, char* out, int64_t m, bool one_shot) override {
-    const int W = cfg_.world, me = cfg_.rank;
     const int elt = int(c10::elementSize(st));
-    const uint64_t gen = op_generation(kOpAllReduce);
-    const AllReduceShares share = allreduce_shares(m, W, elt, one_shot);
+    const AllReduceShares share = allreduce_shares(m, cfg_.world, elt, one_shot);
     const int blocks = allreduce_blocks(share.q * elt, kCpuMultiprocessors);
-    char* mine = out + share.begin(me) * elt;
-    std::vector<const char*> srcs(W);
-    for (int b = 0; b < blocks; ++b) {
-      auto piece = [&](int o) {
-        int64_t e0, e1;
-        allreduce_piece(share.size(o), elt, b, blocks, &e0, &e1);
-        return std::pair<int64_t, int64_t>(e0, e1);
-      };
-      // Phase 0: piece b of every peer's share into its inbox.
-      for (int p = 0; p < W; ++p) {
-        if (p == me) continue;
-        const auto [e0, e1] = piece(p);
-        std::memcpy(layout_.ar_slot(data(p), gen, me) + e0 * elt, in + (share.begin(p) + e0) * elt,
-                    size_t((e1 - e0) * elt));
-        store_release(layout_.ar_flag(signals(p), gen, 0, me, b), gen);
-      }
-      // Reduce piece b of this rank's share, rank by rank.
-      const auto [e0, e1] = piece(me);
-      for (int r = 0; r < W; ++r) {
-        if (r == me) {
-          srcs[r] = in + (share.begin(me) + e0) * elt;
-          continue;
-        }
-        wait_at_least(layout_.ar_flag(signals(me), gen, 0, r, b), gen, kOpAllReduce, r);
-        srcs[r] = layout_.ar_slot(data(me), gen, r) + e0 * elt;
-      }
-      sum_in_order(st, mine + e0 * elt, srcs, e1 - e0);
-      if (one_shot) continue;
-      // Phase 1: hand the reduced piece to every peer, then collect theirs.
-      for (int p = 0; p < W; ++p) {
-        if (p == me) continue;
-        std::memcpy(layout_.ar_gather_slot(data(p), gen, me) + e0 * elt, mine + e0 * elt, size_t((e1 - e0) * elt));
-        store_release(layout_.ar_flag(signals(p), gen, 1, me, b), gen);
-      }
-      for (int o = 0; o < W; ++o) {
-        if (o == me) continue;
-        wait_at_least(layout_.ar_flag(signals(me), gen, 1, o, b), gen, kOpAllReduce, o);
-        const auto [f0, f1] = piece(o);
-        std::memcpy(out + (share.begin(o) + f0) * elt, layout_.ar_gather_slot(data(me), gen, o) + f0 * elt,
-                    size_t((f1 - f0) * elt));
-      }
-    }
-    finish_op(kOpAllReduce, gen);
+    auto piece = [&](int o, int b, int64_t* e0, int64_t* e1) { allreduce_piece(share.size(o), elt, b, blocks, e0, e1); };
+    exchange(kOpAllReduce, st, in, out, share, blocks, piece, [](int64_t, int64_t) {}, {out});
+  }
+
+  // The shares are whole rows: one-stage, every rank finishes the whole
+  // chunk; two-stage, owner o finishes its shard and hands out both outputs.
+  // Pieces are rows, as the GPU kernel's blocks take them.
+  void all_reduce_rmsnorm_chunk(const RmsNormRows& c, bool one_stage) override {
+    const int64_t H = c.hidden;
+    const AllReduceShares rows = rmsnorm_shards(c.rows, cfg_.world, one_stage);
+    const int blocks = rmsnorm_blocks(rows.q, kCpuMultiprocessors);
+    const int64_t row_bytes = H * int64_t(c10::elementSize(c.dtype));
+    auto piece = [&](int o, int b, int64_t* e0, int64_t* e1) {
+      rmsnorm_piece(rows.size(o), b, blocks, e0, e1);
+      *e0 *= H;
+      *e1 *= H;
+    };
+    auto finish = [&](int64_t e0, int64_t n) {
+      RmsNormRows mine = c;
+      const int64_t skip = e0 / H * row_bytes;
+      mine.x = c.residual_out + skip;  // the sum of these rows
+      if (mine.residual) mine.residual += skip;
+      mine.out += skip;
+      mine.residual_out += skip;
+      mine.rows = n / H;
+      rmsnorm_local(mine);
+    };
+    exchange(kOpAllReduceRmsNorm, c.dtype, c.x, c.residual_out, {rows.n * H, rows.q * H, one_stage}, blocks, piece,
+             finish, {c.out, c.residual_out});
+  }
+
+  void rmsnorm_local(const RmsNormRows& c) override {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, c.dtype, "rdna4_comm_rmsnorm", [&] {
+      if (c.weight_fp32)
+        rmsnorm_rows<scalar_t, float>(c);
+      else
+        rmsnorm_rows<scalar_t, scalar_t>(c);
+    });
   }
 
   // dispatch, as the GPU's sender and receiver blocks run it: one header per
@@ -388,6 +410,66 @@ class CpuComm final : public Comm {
   }
 
  private:
+  // One round of the all_reduce protocol over a chunk cut into shares `sh`
+  // (elements of st), for all_reduce and all_reduce_rmsnorm alike (one
+  // generation sequence, protocol.h at kAllReduceSequence). For each piece b
+  // (piece(o, b, &e0, &e1): elements of owner o's share, each piece its own
+  // flag slot): push piece b of every owner's share of `in` into its inbox,
+  // sum this rank's piece over the ranks into `sum` (at the share's offset),
+  // call finish(first element, count) on it, then, unless one-shot, hand that
+  // piece of each of `outputs` to every peer (output k at k * q in the gather
+  // slot) and collect theirs.
+  template <typename Piece, typename Finish>
+  void exchange(int op, at::ScalarType st, const char* in, char* sum, const AllReduceShares& sh, int blocks,
+                Piece piece, Finish finish, std::initializer_list<char*> outputs) {
+    const int W = cfg_.world, me = cfg_.rank;
+    const int64_t elt = int64_t(c10::elementSize(st));
+    const uint64_t gen = op_generation(kAllReduceSequence);
+    std::vector<const char*> srcs(W);
+    for (int b = 0; b < blocks; ++b) {
+      for (int p = 0; p < W; ++p) {
+        if (p == me) continue;
+        int64_t e0, e1;
+        piece(p, b, &e0, &e1);
+        std::memcpy(layout_.ar_slot(data(p), gen, me) + e0 * elt, in + (sh.begin(p) + e0) * elt,
+                    size_t((e1 - e0) * elt));
+        store_release(layout_.ar_flag(signals(p), gen, 0, me, b), gen);
+      }
+      int64_t e0, e1;
+      piece(me, b, &e0, &e1);
+      for (int r = 0; r < W; ++r) {
+        if (r == me) {
+          srcs[r] = in + (sh.begin(me) + e0) * elt;
+          continue;
+        }
+        wait_at_least(layout_.ar_flag(signals(me), gen, 0, r, b), gen, op, r);
+        srcs[r] = layout_.ar_slot(data(me), gen, r) + e0 * elt;
+      }
+      sum_in_order(st, sum + (sh.begin(me) + e0) * elt, srcs, e1 - e0);
+      finish(sh.begin(me) + e0, e1 - e0);
+      if (sh.one_shot) continue;
+      for (int p = 0; p < W; ++p) {
+        if (p == me) continue;
+        int64_t k = 0;
+        for (const char* o : outputs)
+          std::memcpy(layout_.ar_gather_slot(data(p), gen, me) + (k++ * sh.q + e0) * elt,
+                      o + (sh.begin(me) + e0) * elt, size_t((e1 - e0) * elt));
+        store_release(layout_.ar_flag(signals(p), gen, 1, me, b), gen);
+      }
+      for (int o = 0; o < W; ++o) {
+        if (o == me) continue;
+        wait_at_least(layout_.ar_flag(signals(me), gen, 1, o, b), gen, op, o);
+        int64_t f0, f1;
+        piece(o, b, &f0, &f1);
+        int64_t k = 0;
+        for (char* dst : outputs)
+          std::memcpy(dst + (sh.begin(o) + f0) * elt, layout_.ar_gather_slot(data(me), gen, o) + (k++ * sh.q + f0) * elt,
+                      size_t((f1 - f0) * elt));
+      }
+    }
+    finish_op(kAllReduceSequence, gen);
+  }
+
   char* signals(int r) const { return bases_[r]; }
   char* data(int r) const { return bases_[r] + layout_.signal_bytes; }
 

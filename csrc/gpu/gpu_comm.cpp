@@ -192,6 +192,10 @@ class GpuComm final : public Comm {
     RC_GPU_CHECK(get_last_error());
   }
 
+  void all_reduce_rmsnorm_chunk(const RmsNormRows& c, bool one_stage) override { launch_rmsnorm(c, one_stage, false); }
+
+  void rmsnorm_local(const RmsNormRows& c) override { launch_rmsnorm(c, true, true); }
+
   void dispatch_impl(const at::Tensor& x, const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights,
                      Dispatched& out) override {
     c10::cuda::CUDAGuard guard(cfg_.device_index);
@@ -230,6 +234,26 @@ class GpuComm final : public Comm {
   }
 
  private:
+  void launch_rmsnorm(const RmsNormRows& c, bool one_stage, bool local) {
+    c10::cuda::CUDAGuard guard(cfg_.device_index);
+    AllReduceRmsNormArgs a{};
+    a.x = c.x;
+    a.residual = c.residual;
+    a.weight = c.weight;
+    a.weight_fp32 = c.weight_fp32;
+    a.out = c.out;
+    a.residual_out = c.residual_out;
+    a.rows = c.rows;
+    a.hidden = c.hidden;
+    a.eps = c.eps;
+    a.dtype = dtype_of(c.dtype);
+    a.vectorized = c.vectorized;
+    a.one_stage = one_stage;
+    a.local = local;
+    launch_all_reduce_rmsnorm(env_, a, c10::cuda::getCurrentCUDAStream(cfg_.device_index).stream());
+    RC_GPU_CHECK(get_last_error());
+  }
+
   // Peer access for the peer's device as this process numbers it (IPC opens
   // with lazy peer access too, for ranks that see only their own GPU).
   // "Already enabled" is success; it leaves a sticky error, cleared here.

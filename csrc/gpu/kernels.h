@@ -1,5 +1,6 @@
 // Launch interface of the device kernels, one launch_* per op family, each
-// defined in its own .cu (all_reduce.cu, dispatch.cu, combine.cu, probe.cu).
+// defined in its own .cu (all_reduce.cu, all_reduce_rmsnorm.cu, dispatch.cu,
+// combine.cu, probe.cu).
 // Plain types only (no torch), so the kernels compile on their own as CUDA or
 // as HIP for any target.
 #pragma once
@@ -64,9 +65,28 @@ struct CombineArgs {
   void* out;  // [T, H]
 };
 
+// One chunk of all_reduce_rmsnorm (whole rows, at most rmsnorm_chunk_rows),
+// or, with `local`, the residual add and the norm alone: x then holds the
+// reduced rows (it may alias residual_out) and nothing is communicated.
+struct AllReduceRmsNormArgs {
+  const void* x;         // [rows, hidden]
+  const void* residual;  // [rows, hidden] or nullptr
+  const void* weight;    // [hidden] of dtype, or fp32 when weight_fp32
+  bool weight_fp32;
+  void* out;           // [rows, hidden]
+  void* residual_out;  // [rows, hidden]
+  int64_t rows, hidden;
+  float eps;
+  DType dtype;
+  bool vectorized;  // 16-byte aligned pointers, rows of whole 16-byte vectors
+  bool one_stage;
+  bool local;
+};
+
 void launch_all_reduce(const Env& env, const AllReduceArgs& a, Stream s);
 void launch_dispatch(const Env& env, const DispatchArgs& a, Stream s);
 void launch_combine(const Env& env, const CombineArgs& a, Stream s);
+void launch_all_reduce_rmsnorm(const Env& env, const AllReduceRmsNormArgs& a, Stream s);
 // Writes, per source rank, the number of probe words that arrived wrong (or
 // -1 when its flag never came) into `result` (device memory, [W] int32).
 void launch_probe(const Env& env, int32_t* result, Stream s);

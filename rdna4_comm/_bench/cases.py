@@ -228,3 +228,70 @@ def ep_ops(ctx: BenchRank, comm: Communicator, tokens: int, seed: int = 0) -> li
         Op(ctx.baseline, run_baseline, check_baseline,
            detail=f"all_gather x, topk_idx, topk_weights + {rs_how} of the gathered x"),
     ]
+
+
+# ------------------------------------------------------ all_reduce_rmsnorm
+
+FUSED_EPS = 1e-6
+
+
+def assert_rmsnorm_within_contract(out: torch.Tensor, residual_out: torch.Tensor, weight: torch.Tensor,
+                                   eps: float, what: str = "all_reduce_rmsnorm") -> None:
+    """Raise AssertionError unless ``out`` is what the contract allows for
+    this ``residual_out`` (docs/semantics.md): the torch composition except
+    for the reduction order of the mean, i.e. the normalised value before the
+    weight multiply within 1 ulp of the dtype (bf16, fp16), or within a
+    relative 1e-5 (fp32). The tests use it too."""
+    out, residual_out, weight = (t.detach().cpu() for t in (out, residual_out, weight))
+    dtype = out.dtype
+    expected = reference.rms_norm(residual_out, weight, eps)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5, msg=what)
+        return
+    r32 = residual_out.float()
+    normalised = (r32 * torch.rsqrt(r32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    ok = torch.isnan(out) & torch.isnan(expected)
+    for towards in (None, float("inf"), float("-inf")):
+        n = normalised if towards is None else torch.nextafter(normalised, torch.full_like(normalised, towards))
+        ok |= (weight.float() * n.float()).to(dtype) == out
+    assert bool(ok.all()), f"{what}: {int((~ok).sum())} elements beyond 1 ulp of the normalised value"
+
+
+def fused_ops(ctx: BenchRank, comm: Communicator, tokens: int, hidden: int, dtype: torch.dtype = torch.bfloat16) -> list[Op]:
+    """all_reduce + residual add + RMSNorm of [tokens, hidden] partial sums:
+    rdna4_comm.all_reduce_rmsnorm against the same three steps unfused, once
+    over torch.distributed.all_reduce (in place) and once over rdna4_comm's
+    all_reduce. residual_out is checked bitwise (the inputs' sums are exact),
+    out against the contract."""
+    dev = ctx.device
+    xs = [pattern(r, tokens, hidden, dtype, dev, bits=EP_BITS) for r in range(ctx.world)]
+    x = xs[ctx.rank]
+    residual = pattern(ctx.world, tokens, hidden, dtype, dev, bits=EP_BITS)
+    weight = pattern(ctx.world + 1, 1, hidden, dtype, dev, bits=EP_BITS).reshape(hidden)
+    _, expected_residual = reference.all_reduce_rmsnorm([t.cpu() for t in xs], residual.cpu(), weight.cpu(), FUSED_EPS)
+    del xs
+    what = f"all_reduce_rmsnorm [{tokens}, {hidden}] {str(dtype).replace('torch.', '')}"
+
+    def check(result):
+        out, residual_out = result
+        assert_same(residual_out, expected_residual, f"{what} residual_out vs rdna4_comm.reference")
+        assert_rmsnorm_within_contract(out, residual_out, weight, FUSED_EPS, what)
+
+    def unfused(summed):
+        r = summed + residual
+        return reference.rms_norm(r, weight, FUSED_EPS), r
+
+    inplace = torch.empty_like(x)
+
+    def torch_composition():
+        dist.all_reduce(inplace, group=ctx.group)
+        return unfused(inplace)
+
+    return [
+        Op("rdna4_comm", lambda: comm.all_reduce_rmsnorm(x, residual, weight, FUSED_EPS), check,
+           detail="rdna4_comm.all_reduce_rmsnorm (fused)"),
+        Op("rdna4_comm_unfused", lambda: unfused(comm.all_reduce(x)), check,
+           detail="rdna4_comm.all_reduce + add + RMSNorm in torch ops"),
+        Op(ctx.baseline, torch_composition, check, reset=lambda: inplace.copy_(x),
+           detail=f"torch.distributed.all_reduce ({ctx.baseline}, in place) + add + RMSNorm in torch ops"),
+    ]
