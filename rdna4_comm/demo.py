@@ -93,8 +93,8 @@ def check_tp(ctx, comm) -> str:
     """TensorParallelMLP over the ranks equals dense_mlp_block within bf16 rounding."""
     weights = init_tp_weights(2, TP_HIDDEN, TP_FFN)
     block = TensorParallelMLP(comm, weights)
-    normed = rand(200, 0, (16, TP_HIDDEN), torch.bfloat16)
-    residual = rand(201, 0, (16, TP_HIDDEN), torch.bfloat16)
+    normed = rand(200, 0, (16, TP_HIDDEN), torch.bfloat16) / 4  # unit scale, exact in bf16
+    residual = rand(201, 0, (16, TP_HIDDEN), torch.bfloat16) / 4
     out, residual_out = block(normed.to(ctx.device), residual.to(ctx.device))
     dense_out, dense_residual = dense_mlp_block(normed, residual, weights)
     torch.testing.assert_close(residual_out.cpu().float(), dense_residual.float(), rtol=3e-2, atol=3e-2)
@@ -107,8 +107,8 @@ def tp_block_ops(ctx, comm, tokens: int) -> list[Op]:
     """The TP block with all_reduce_rmsnorm against the same block unfused
     (all_reduce, add, RMSNorm): the same residual_out bitwise."""
     block = TensorParallelMLP(comm, init_tp_weights(2, TP_HIDDEN, TP_FFN))
-    normed = rand(300, 0, (tokens, TP_HIDDEN), torch.bfloat16).to(ctx.device)
-    residual = rand(301, 0, (tokens, TP_HIDDEN), torch.bfloat16).to(ctx.device)
+    normed = (rand(300, 0, (tokens, TP_HIDDEN), torch.bfloat16) / 4).to(ctx.device)
+    residual = (rand(301, 0, (tokens, TP_HIDDEN), torch.bfloat16) / 4).to(ctx.device)
     expected = block.unfused(normed, residual)[1].cpu()
 
     def check(result):

@@ -98,7 +98,7 @@ def test_model_hidden_sizes(world_small):
 def boundary_cases(world_size, transport, slot):
     """Shapes at and around every boundary of the gate, each named by the path
     the gate gives it; every path occurs (two_stage only beyond 2 ranks)."""
-    one_shot_max = rc._C.one_shot_max_bytes[transport]
+    one_shot_max = rc._C.testing.one_shot_max_bytes[transport]
     aligned = rc._C.aligned_slot_bytes(slot)
     cases = []
     H = 256  # fp32 rows of 1 KiB
@@ -166,7 +166,7 @@ def taken_out0(results, i):
 
 def test_gate_predicates():
     for transport in ("cpu", "gpu"):
-        limit = rc._C.one_shot_max_bytes[transport]
+        limit = rc._C.testing.one_shot_max_bytes[transport]
         gpu = transport == "gpu"
         # The size cap at W > 2, none at W <= 2, none below W tokens.
         assert rc.all_reduce_rmsnorm_algorithm(limit // 1024, 256, torch.float32, 4, transport) == "one_stage"
