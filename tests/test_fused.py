@@ -252,7 +252,8 @@ def t_compiled_tp_block(ctx, mode):
     for i, T in enumerate((3, 1, 5, 5)):
         h = rand(i, ctx.rank, (T, F)).to(ctx.device)
         residual = rand(i, 99, (T, H)).to(ctx.device)
-        outs.append((block(h, residual), compiled(h, residual)))
+        # reduce-overhead: a graph's outputs are overwritten by its next replay
+        outs.append((block(h, residual), tuple(t.clone() for t in compiled(h, residual))))
     ctx.sync()
     return outs
 

@@ -195,7 +195,8 @@ def test_construction_raises_at_once_when_a_rank_is_killed_during_it(transport):
         world.kill_rank(1)  # SIGKILL while its construction waits
         [(message, elapsed, segments)] = world.run(t_wait_then_construct, 0.0, 60_000, ranks=[0])
         assert message is not None and "ranks [1] exited during construction" in message, message
-        assert elapsed < 5.0, elapsed  # the liveness check, not the 60 s bound
+        # The liveness check, not the 60 s bound (the GPU heap's set-up takes seconds).
+        assert elapsed < 20.0, elapsed
         assert segments == []
     finally:
         world.kill()
