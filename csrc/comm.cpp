@@ -156,7 +156,7 @@ at::Tensor Comm::all_reduce(const at::Tensor& x) {
   at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
   if (cfg_.world == 1) return out.copy_(x);
   const int64_t n = x.numel(), elt = x.element_size();
-  const bool one_shot = allreduce_use_one_shot(n * elt, cfg_.world, /*gpu=*/dev.is_cuda());
+  const bool one_shot = allreduce_use_one_shot(n * elt, cfg_.world, /*gpu=*/cfg_.transport == "gpu");
   const int64_t chunk = allreduce_chunk_elems(layout_.ar_slot_bytes, elt, cfg_.world, one_shot);
   const char* in = static_cast<const char*>(x.data_ptr());
   char* o = static_cast<char*>(out.data_ptr());

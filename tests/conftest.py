@@ -21,11 +21,12 @@ def gpu_world_sizes() -> list[int]:
 
 
 def _selected(transport: str) -> bool:
-    wanted = os.environ.get("RDNA4_COMM_TEST_TRANSPORTS", "cpu,gpu").split(",")
+    wanted = os.environ.get("RDNA4_COMM_TEST_TRANSPORTS", "cpu,dist,gpu").split(",")
     return transport in wanted
 
 
-CPU_WORLDS = [("cpu", w) for w in (1, 2, 3, 4)] if _selected("cpu") else []
+# Worlds that run on the CPU here (dist runs on GPUs where every rank has one).
+CPU_WORLDS = [(t, w) for t in ("cpu", "dist") if _selected(t) for w in (1, 2, 3, 4)]
 GPU_WORLDS = [("gpu", w) for w in gpu_world_sizes()] if _selected("gpu") else []
 ALL_WORLDS = CPU_WORLDS + GPU_WORLDS
 world_ids = [f"{t}{w}" for t, w in ALL_WORLDS]

@@ -111,7 +111,7 @@ def test_opcheck(world_small):
 
 def t_bad_inputs(ctx):
     comm = ctx.comm(allreduce_slot_bytes=SLOT)
-    other = torch.device("meta") if ctx.transport == "cpu" else torch.device("cpu")
+    other = torch.device("meta") if ctx.device.type == "cpu" else torch.device("cpu")
     dev = ctx.device
     cases = {
         "non_contiguous": lambda: comm.all_reduce(torch.randn(6, 4, device=dev).t()),
