@@ -51,7 +51,7 @@ def t_same_inputs_on_both(ctx, cfg, cases):
     return by_transport
 
 
-@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
 def test_dist_gives_the_bits_of_the_cpu_transport(worlds, size):
     cfg = ep_config(10, 24, 5, 3 * size, torch.bfloat16)
     cases = [(s, [10 - (r * 3) % 11 for r in range(size)], kind, s % 2 == 0) for s, kind in enumerate(ROUTINGS)]
