@@ -1,7 +1,7 @@
 """Builds rdna4_comm._C.
 
 The backend follows the installed torch:
-  * CPU build of torch        -> CppExtension (CPU shared-memory transport only)
+  * CPU build of torch        -> CppExtension (CPU shared-memory and torch.distributed transports)
   * CUDA build with a toolkit -> CUDAExtension (adds the GPU transport)
   * ROCm build (torch.version.hip) -> CUDAExtension, hipified by torch; kernels
     for PYTORCH_ROCM_ARCH (default gfx1201)
@@ -14,7 +14,7 @@ import torch
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
-CPU_SOURCES = ["csrc/ops.cpp", "csrc/comm.cpp", "csrc/cpu/cpu_comm.cpp"]
+CPU_SOURCES = ["csrc/ops.cpp", "csrc/comm.cpp", "csrc/cpu/cpu_comm.cpp", "csrc/dist/dist_comm.cpp"]
 # One .cu per op family (all_reduce, dispatch, combine, probe).
 GPU_SOURCES = ["csrc/gpu/gpu_comm.cpp"] + sorted(glob.glob("csrc/gpu/*.cu"))
 

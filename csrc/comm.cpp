@@ -158,7 +158,7 @@ at::Tensor Comm::all_reduce(const at::Tensor& x) {
   at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
   if (cfg_.world == 1) return out.copy_(x);
   all_reduce_into(st, static_cast<const char*>(x.data_ptr()), static_cast<char*>(out.data_ptr()), x.numel(),
-                  dev.is_cuda());
+                  /*gpu=*/cfg_.transport == "gpu");
   return out;
 }
 
@@ -202,7 +202,7 @@ std::pair<at::Tensor, at::Tensor> Comm::all_reduce_rmsnorm(const at::Tensor& x,
   at::Tensor res_out = at::empty_like(x, at::MemoryFormat::Contiguous);
   const int64_t T = x.numel() / H, elt = x.element_size(), row_bytes = H * elt;
   if (T == 0) return {out, res_out};
-  const bool gpu = dev.is_cuda();
+  const bool gpu = cfg_.transport == "gpu";
   const int path = rmsnorm_path(T, H, elt, cfg_.world, gpu, layout_.ar_slot_bytes);
   RmsNormRows c{};
   c.dtype = st;

@@ -1,5 +1,5 @@
 // A communicator: one rank's view of the symmetric heap, its peers, and the
-// three ops. Transports (CPU shared memory, GPU peer memory) implement the
+// three ops. Transports (CPU shared memory, GPU peer memory, torch.distributed) implement the
 // same interface; argument validation is shared and runs before any protocol
 // step, so a rejected call leaves every counter and buffer untouched.
 #pragma once
@@ -21,7 +21,8 @@ namespace rdna4_comm {
 // validates the ops' arguments.
 struct CommConfig : HeapConfig {
   std::string id;
-  std::string transport;  // "cpu" or "gpu"
+  std::string transport;  // "cpu", "gpu" or "dist"
+  std::string group_name;  // dist: the torch.distributed group the ops run on (c10d::resolve_process_group)
   int rank = 0;
   at::ScalarType dtype = at::kBFloat16;  // EP payload; `elt` follows it
   int64_t timeout_ms = 0;
@@ -155,6 +156,7 @@ std::shared_ptr<Comm> find_comm(const std::string& id);
 void remove_comm(const std::string& id);
 
 std::shared_ptr<Comm> make_cpu_comm(CommConfig cfg);
+std::shared_ptr<Comm> make_dist_comm(CommConfig cfg);
 #ifdef RDNA4_COMM_WITH_GPU
 std::shared_ptr<Comm> make_gpu_comm(CommConfig cfg);
 #endif

@@ -65,6 +65,8 @@ py::bytes create(const CommConfig& c) {
   std::shared_ptr<Comm> comm;
   if (c.transport == "cpu") {
     comm = make_cpu_comm(c);
+  } else if (c.transport == "dist") {
+    comm = make_dist_comm(c);
   } else {
 #ifdef RDNA4_COMM_WITH_GPU
     comm = make_gpu_comm(c);
@@ -134,6 +136,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<>())
       .def_readwrite("id", &CommConfig::id)
       .def_readwrite("transport", &CommConfig::transport)
+      .def_readwrite("group_name", &CommConfig::group_name)
       .def_readwrite("rank", &CommConfig::rank)
       .def_readwrite("world", &CommConfig::world)
       .def_readwrite("cap", &CommConfig::cap)
@@ -197,5 +200,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::dict one_shot_max;
   one_shot_max["cpu"] = kCpuOneShotMaxBytes;
   one_shot_max["gpu"] = kGpuOneShotMaxBytes;
+  one_shot_max["dist"] = kCpuOneShotMaxBytes;  // the GPU threshold is tuned to the GPU kernels only
   testing.attr("one_shot_max_bytes") = one_shot_max;
 }

@@ -4,11 +4,14 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import warnings
 import weakref
-from typing import NamedTuple, Optional
+from datetime import timedelta
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from . import _C
 from ._rendezvous import Rendezvous
@@ -22,7 +25,10 @@ DEFAULT_TIMEOUT_MS = 300_000
 HOST_ID_ENV = "RDNA4_COMM_HOST_ID"
 # all_reduce inbox per (parity, source rank). One-shot chunks are at most one
 # slot; two-shot chunks at most world_size slots. Larger tensors are chunked.
-DEFAULT_ALLREDUCE_SLOT_BYTES = {"cpu": 1 << 20, "gpu": 16 << 20}
+# "dist" has no heap: the slot only bounds the temporaries of a chunk.
+DEFAULT_ALLREDUCE_SLOT_BYTES = {"cpu": 1 << 20, "gpu": 16 << 20, "dist": 16 << 20}
+TRANSPORTS = ("auto", "gpu", "cpu", "dist")
+TRANSPORT_ENV = "RDNA4_COMM_TRANSPORT"
 
 _ids = itertools.count()
 
@@ -105,17 +111,100 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _gpu_identity() -> Optional[str]:
-    """A host-unique id of this process's current GPU, or None without one."""
-    if not (_C.with_gpu and torch.cuda.is_available()):
-        return None
-    dev = torch.cuda.current_device()
+def _gpu_uuid(dev: int) -> str:
     props = torch.cuda.get_device_properties(dev)
     return str(getattr(props, "uuid", dev))
 
 
+class RankReport(NamedTuple):
+    """What one rank tells the others before they choose a transport."""
+
+    host: str  # host_identity()
+    gpu: Optional[str]  # the uuid of its current GPU; None without one (or a CPU-only build)
+    no_peer_access: tuple  # uuids of the GPUs it sees that its GPU cannot access as a peer
+
+
+def rank_report() -> RankReport:
+    """This rank's :class:`RankReport`."""
+    if not (_C.with_gpu and torch.cuda.is_available()):
+        return RankReport(host_identity(), None, ())
+    me = torch.cuda.current_device()
+    blocked = tuple(_gpu_uuid(d) for d in range(torch.cuda.device_count())
+                    if d != me and not torch.cuda.can_device_access_peer(me, d))
+    return RankReport(host_identity(), _gpu_uuid(me), blocked)
+
+
+class TransportChoice(NamedTuple):
+    transport: str  # "gpu", "cpu" or "dist"
+    reason: str  # why (Communicator.transport_reason)
+    fallback: bool  # "auto" chose "dist" because something failed: every rank warns
+
+
+def _ranks_by_host(reports: Sequence[RankReport]) -> str:
+    hosts: dict = {}
+    for r, rep in enumerate(reports):
+        hosts.setdefault(rep.host, []).append(r)
+    return "; ".join(f"ranks {ranks} on {host}" for host, ranks in hosts.items())
+
+
+def _gpu_transport_problem(reports: Sequence[RankReport], *, with_gpu: bool, allow_shared_gpu: bool) -> Optional[str]:
+    """Why the GPU transport cannot work for these ranks, or None (the
+    functional probe at construction still has the last word)."""
+    if len({rep.host for rep in reports}) > 1:
+        return f"the ranks span {len({rep.host for rep in reports})} hosts ({_ranks_by_host(reports)})"
+    if not with_gpu:
+        return "rdna4_comm was built without GPU support"
+    lacking = [r for r, rep in enumerate(reports) if rep.gpu is None]
+    if lacking:
+        return f"ranks {lacking} have no GPU"
+    if len(reports) > _C.max_gpu_world:
+        return f"it supports at most {_C.max_gpu_world} ranks, got {len(reports)}"
+    gpus = [rep.gpu for rep in reports]
+    if len(set(gpus)) < len(gpus) and not allow_shared_gpu:
+        shared = sorted({(gpus.index(g), r) for r, g in enumerate(gpus) if gpus.index(g) != r})
+        return (f"ranks share GPUs ({', '.join(f'rank {a} and rank {b}' for a, b in shared)}); give each rank its "
+                f"own GPU with torch.cuda.set_device, or set {SHARED_GPU_ENV}=1 to test on fewer GPUs")
+    for a, rep in enumerate(reports):
+        for b, other in enumerate(reports):
+            if other.gpu in rep.no_peer_access:
+                return f"rank {a}'s GPU has no peer access to rank {b}'s GPU"
+    return None
+
+
+def choose_transport(requested: str, reports: Sequence[RankReport], *, with_gpu: bool, allow_shared_gpu: bool,
+                     forced_by: str = "the transport argument") -> TransportChoice:
+    """The transport for ranks that reported ``reports`` (in rank order): a
+    pure function, so that every rank, given the same reports, chooses the
+    same. ``requested`` is "auto" or a forced transport, which raises
+    RuntimeError when it cannot work."""
+    one_host = len({rep.host for rep in reports}) == 1
+    gpu_problem = _gpu_transport_problem(reports, with_gpu=with_gpu, allow_shared_gpu=allow_shared_gpu)
+    forced = f"forced by {forced_by}"
+    if requested == "cpu":
+        if not one_host:
+            raise RuntimeError(
+                f"Communicator: transport='cpu' is not possible: it shares memory between the processes of one "
+                f"host, and the ranks span {len({rep.host for rep in reports})} hosts ({_ranks_by_host(reports)}); "
+                "use transport='dist'")
+        return TransportChoice("cpu", forced, False)
+    if requested == "gpu":
+        if gpu_problem:
+            raise RuntimeError(f"Communicator: transport='gpu' is not possible: {gpu_problem}")
+        return TransportChoice("gpu", forced, False)
+    if requested == "dist":
+        return TransportChoice("dist", forced, False)
+    if gpu_problem is None:
+        shared = len({rep.gpu for rep in reports}) < len(reports)
+        return TransportChoice("gpu", "one host, " + (f"ranks sharing GPUs ({SHARED_GPU_ENV}=1)" if shared else
+                                                      "a GPU per rank with peer access between every pair"), False)
+    if one_host and any(rep.gpu is None for rep in reports):
+        return TransportChoice("cpu", f"one host without a GPU on every rank ({gpu_problem})", False)
+    return TransportChoice("dist", f"the GPU transport is not possible: {gpu_problem}", True)
+
+
 class Communicator:
-    """Peer-to-peer communicator over the ranks of one host.
+    """Communicator over peer-to-peer memory between the ranks of one host,
+    or over torch.distributed collectives ("dist") anywhere.
 
     Collective: every rank of ``group`` constructs it with the same arguments.
     Construction allocates the symmetric heap, exchanges its handles through
@@ -137,13 +226,20 @@ class Communicator:
             ``W``. Rank ``r`` owns experts ``[r*E/W, (r+1)*E/W)``.
         dtype: payload dtype of dispatch/combine: torch.bfloat16 (default),
             torch.float16 or torch.float32.
-        transport: ``"auto"`` (the GPU transport when torch has a GPU, the
-            extension was built with GPU support and every rank has a distinct
-            GPU, or ``RDNA4_COMM_ALLOW_SHARED_GPU=1``; else ``"cpu"``),
-            ``"gpu"`` or ``"cpu"`` (POSIX shared memory between the processes
-            of one host).
+        transport: ``"auto"`` (``RDNA4_COMM_TRANSPORT`` replaces it; chosen
+            collectively, see :func:`choose_transport` and docs/transports.md:
+            ``"gpu"`` on one host with a GPU per rank, peer access and a
+            passing probe; ``"cpu"`` on one host without GPUs; else
+            ``"dist"``, with a warning naming why), ``"gpu"`` (peer-mapped
+            GPU memory), ``"cpu"`` (POSIX shared memory between the processes
+            of one host) or ``"dist"`` (torch.distributed collectives of a
+            group of its own: gloo for CPU tensors, NCCL/RCCL for GPU ones;
+            any hosts). A forced transport that cannot work raises
+            RuntimeError. ``comm.transport`` and ``comm.transport_reason`` say
+            what was chosen and why.
         allreduce_slot_bytes: all_reduce buffer per (parity, source rank);
-            default 1 MiB on CPU, 16 MiB on GPU. Larger tensors are processed
+            default 1 MiB on CPU, 16 MiB on GPU and dist (no buffer there:
+            it bounds a chunk's temporaries). Larger tensors are processed
             in chunks of this size (one-shot) or W times it (two-shot).
         timeout_ms: bound of every wait (default: env ``RDNA4_COMM_TIMEOUT_MS``
             or 300000, enough for a peer's cold torch.compile). A peer that
@@ -187,8 +283,8 @@ class Communicator:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        if transport not in ("auto", "gpu", "cpu"):
-            raise ValueError(f"Communicator: transport must be 'auto', 'gpu' or 'cpu', got {transport!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"Communicator: transport must be one of {TRANSPORTS}, got {transport!r}")
 
         ep = (max_tokens_per_rank, hidden, topk, num_experts)
         if all(v is None for v in ep):
@@ -224,80 +320,117 @@ class Communicator:
 
         # Every exchange of the construction is bounded by timeout_ms (_rendezvous).
         rendezvous = Rendezvous(self.group, timeout_ms)
-        me = dict(host=host_identity(), pid=os.getpid(), start=_C.process_start_time(os.getpid()),
-                  gpu=_gpu_identity())
-        ranks = rendezvous.exchange("hello", me)
-        rendezvous.processes = [(p["pid"], p["start"]) if p["host"] == me["host"] and p["start"] else None
-                                for p in ranks]
-        self.transport = self._select_transport(transport, [p["gpu"] for p in ranks])
-        if self.transport == "gpu":
-            if self.world_size > _C.max_gpu_world:
-                raise ValueError(
-                    f"Communicator: the GPU transport supports at most {_C.max_gpu_world} ranks, got {self.world_size}"
-                )
-            if cap > _C.max_gpu_tokens_per_rank:
-                raise ValueError(
-                    f"Communicator: max_tokens_per_rank must be at most {_C.max_gpu_tokens_per_rank} on the GPU "
-                    f"transport, got {cap}"
-                )
-        if allreduce_slot_bytes is None:
-            allreduce_slot_bytes = DEFAULT_ALLREDUCE_SLOT_BYTES[self.transport]
-        allreduce_slot_bytes = _positive_int("allreduce_slot_bytes", allreduce_slot_bytes)
+        hello = rendezvous.exchange("hello", dict(report=rank_report(), pid=os.getpid(),
+                                                  start=_C.process_start_time(os.getpid())))
+        reports = [h["report"] for h in hello]
+        host = reports[self.rank].host
+        rendezvous.processes = [(h["pid"], h["start"]) if h["report"].host == host and h["start"] else None
+                                for h in hello]
+        env_transport = os.environ.get(TRANSPORT_ENV)
+        if transport == "auto" and env_transport:
+            if env_transport not in TRANSPORTS:
+                raise ValueError(f"{TRANSPORT_ENV} must be one of {TRANSPORTS}, got {env_transport!r}")
+            transport, forced_by = env_transport, TRANSPORT_ENV
+        else:
+            forced_by = "the transport argument"
+        choice = choose_transport(transport, reports, with_gpu=_C.with_gpu, allow_shared_gpu=shared_gpus_allowed(),
+                                  forced_by=forced_by)
+        if choice.transport == "gpu" and cap > _C.max_gpu_tokens_per_rank:
+            raise ValueError(
+                f"Communicator: max_tokens_per_rank must be at most {_C.max_gpu_tokens_per_rank} on the GPU "
+                f"transport, got {cap}"
+            )
+        slot_bytes = None if allreduce_slot_bytes is None else _positive_int("allreduce_slot_bytes", allreduce_slot_bytes)
 
         self.max_tokens_per_rank, self.hidden, self.topk, self.num_experts = cap, hidden, topk, num_experts
         self.num_local_experts = num_experts // self.world_size
         self.local_experts = range(self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts)
         self.dtype = dtype
         self.timeout_ms = timeout_ms
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.transport == "gpu" else torch.device("cpu")
+        # "dist" runs on the GPUs when every rank has one, else on the CPU.
+        on_gpu = all(rep.gpu is not None for rep in reports) and choice.transport != "cpu"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         self.id = f"rdna4_comm.{os.getpid()}.{next(_ids)}"
         self._order = order_token(self.device)
+        self._open = False
 
         config = _C.CommConfig()
         for name, value in dict(
-            id=self.id, transport=self.transport, rank=self.rank, world=self.world_size, cap=cap, hidden=hidden,
-            topk=topk, num_experts=num_experts, dtype=dtype, ar_slot_bytes=allreduce_slot_bytes,
-            timeout_ms=timeout_ms, device_index=-1 if self.device.index is None else self.device.index,
+            id=self.id, rank=self.rank, world=self.world_size, cap=cap, hidden=hidden, topk=topk,
+            num_experts=num_experts, dtype=dtype, timeout_ms=timeout_ms,
+            device_index=-1 if self.device.index is None else self.device.index,
         ).items():
             setattr(config, name, value)
         try:
-            handle = _C.create(config)
-            self._open = True
-            self._finalizer = weakref.finalize(self, _release, self.id)
-            _C.connect(self.id, rendezvous.exchange("heap", handle))
-            rendezvous.exchange("connected", None)  # every rank has opened every heap
-            problems = rendezvous.exchange("probe", _C.finish(self.id))
+            problems = self._start(config, choice.transport, slot_bytes, reports, rendezvous)
+            if problems:
+                probe = "peer-to-peer probe failed: " + "; ".join(problems)
+                if transport != "auto":
+                    raise RuntimeError(f"Communicator: {probe}")
+                # Every rank saw the same problems, so every rank falls back.
+                choice = TransportChoice("dist", probe, True)
+                self._start(config, "dist", slot_bytes, reports, rendezvous)
         except BaseException as e:
             rendezvous.fail(e)
             rendezvous.remove_segments_of_exited()
-            if getattr(self, "_open", False):
+            if self._open:
                 self.close()
             raise
-        bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
-        if bad:
-            self.close()
-            raise RuntimeError("Communicator: peer-to-peer probe failed:\n" + "\n".join(bad))
+        self.transport, self.transport_reason = choice.transport, choice.reason
+        if choice.fallback:
+            warnings.warn(f"rdna4_comm: Communicator on rank {self.rank} uses transport 'dist' (torch.distributed "
+                          f"collectives, slower than peer-to-peer memory): {choice.reason}", stacklevel=2)
         _C.watch_peers(self.id, [(r, *p) for r, p in enumerate(rendezvous.processes) if p is not None])
         register_config(config, self.device)
 
-    def _select_transport(self, requested: str, ids: list) -> str:
-        """The transport for ``requested``, from every rank's GPU identity ``ids``."""
-        if requested == "cpu":
-            return "cpu"
-        distinct = len(set(ids)) == len(ids) or shared_gpus_allowed()
-        usable = all(i is not None for i in ids) and distinct
-        if requested == "gpu" and not usable:
-            if not _C.with_gpu:
-                why = "rdna4_comm was built without GPU support"
-            elif any(i is None for i in ids):
-                why = f"ranks {[r for r, i in enumerate(ids) if i is None]} have no GPU"
-            else:
-                why = (
-                    f"ranks share GPUs (current devices: {ids}); give each rank its own GPU with "
-                    f"torch.cuda.set_device, or set {SHARED_GPU_ENV}=1 to test on fewer GPUs"
-                )
-            raise RuntimeError(f"Communicator: transport='gpu' is not possible: {why}")
-        return "gpu" if usable else "cpu"
+    def _own_group(self, backend: str, timeout: timedelta, rendezvous: Rendezvous) -> dist.ProcessGroup:
+        """A new process group of the ranks of ``group`` (collective over them).
+
+        dist.new_group names a group either by a world-wide counter (then
+        every rank of the world must call it, members of ``group`` or not) or,
+        with use_local_synchronization, by its ranks alone (then two groups
+        of the same ranks collide in the store). Its helper takes a name:
+        rank 0's host and communicator id, unique and the same on every rank."""
+        name = rendezvous.exchange("dist_group", f"rdna4_comm:{host_identity()}:{self.id}")[0]
+        ranks = dist.get_process_group_ranks(self.group)
+        pg, _ = c10d._new_process_group_helper(len(ranks), self.rank, ranks, dist.Backend(backend),
+                                               c10d._get_default_store(), name, timeout=timeout,
+                                               group_desc="rdna4_comm transport 'dist'")
+        c10d._world.pg_group_ranks[pg] = {g: r for r, g in enumerate(ranks)}  # as new_group records it
+        return pg
+
+    def _start(self, config, transport: str, slot_bytes: Optional[int], reports: Sequence[RankReport],
+               rendezvous: Rendezvous) -> list:
+        """Create this rank's transport and connect it to its peers (collective).
+        Returns the links that failed the GPU probe, in the same words on every
+        rank; with any, the transport is released again."""
+        config.transport = transport
+        config.ar_slot_bytes = DEFAULT_ALLREDUCE_SLOT_BYTES[transport] if slot_bytes is None else slot_bytes
+        dist_group = None
+        if transport == "dist":
+            # A group of its own: a collective that timed out leaves its group
+            # out of step, and this one goes with the communicator, while
+            # `group` and other communicators stay usable. Its backend follows
+            # the device, whatever bootstraps `group`. NCCL needs a GPU per rank.
+            gpus = {(rep.host, rep.gpu) for rep in reports}
+            nccl = self.device.type == "cuda" and len(gpus) == len(reports)
+            dist_group = self._own_group("nccl" if nccl else "gloo", timedelta(milliseconds=config.timeout_ms),
+                                         rendezvous)
+            config.group_name = dist_group.group_name
+        handle = _C.create(config)
+        self._open = True
+        self._finalizer = weakref.finalize(self, _release, self.id, dist_group)
+        # Stage names carry the transport: a fallback to dist exchanges anew.
+        _C.connect(self.id, rendezvous.exchange(f"{transport}/heap", handle))
+        rendezvous.exchange(f"{transport}/connected", None)  # every rank has opened every heap
+        problems = rendezvous.exchange(f"{transport}/probe", _C.finish(self.id))
+        bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
+        if bad:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._open = False
+            self._finalizer()
+        return bad
 
     # ------------------------------------------------------------------ ops
 
@@ -417,7 +550,7 @@ class Communicator:
         """Wait for this rank's queued ops (GPU: synchronise the device) and
         raise RuntimeError if any of them failed, e.g. timed out on a peer."""
         self._check_open()
-        if self.transport == "gpu":
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         _C.check(self.id)
 
@@ -426,7 +559,7 @@ class Communicator:
         rank after its last op. Idempotent."""
         if self._open:
             self._open = False
-            if self.transport == "gpu":
+            if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self._finalizer()
 
@@ -463,9 +596,12 @@ class Communicator:
             )
 
 
-def _release(comm_id: str) -> None:
+def _release(comm_id: str, dist_group: Optional[dist.ProcessGroup]) -> None:
     unregister_config(comm_id)
     _C.destroy(comm_id)
+    # After the process group is destroyed (at exit, say), its subgroups are gone too.
+    if dist_group is not None and dist.is_initialized():
+        dist.destroy_process_group(dist_group)
 
 
 def allreduce_algorithm(nbytes: int, world_size: int, transport: str) -> str:

@@ -6,7 +6,7 @@
 #   bash scripts/test.sh -x -k allreduce # stop at the first failure, a subset
 #
 # Works from any directory. GPU tests run where GPUs are found and are
-# skipped elsewhere; RDNA4_COMM_TEST_TRANSPORTS=cpu (or gpu) selects transports.
+# skipped elsewhere; RDNA4_COMM_TEST_TRANSPORTS=cpu,dist,gpu (any subset) selects transports.
 set -euo pipefail
 
 ROOT="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)"

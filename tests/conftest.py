@@ -21,11 +21,16 @@ def gpu_world_sizes() -> list[int]:
 
 
 def _selected(transport: str) -> bool:
-    wanted = os.environ.get("RDNA4_COMM_TEST_TRANSPORTS", "cpu,gpu").split(",")
+    wanted = os.environ.get("RDNA4_COMM_TEST_TRANSPORTS", "cpu,dist,gpu").split(",")
     return transport in wanted
 
 
-CPU_WORLDS = [("cpu", w) for w in (1, 2, 3, 4)] if _selected("cpu") else []
+# Worlds that run on the CPU here (dist runs on GPUs where every rank has one).
+# dist runs the shared suites at W = 2 and 4 only, to keep the whole suite
+# within CI's minutes on 2 cores; test_dist checks it bitwise against the
+# CPU transport at W = 1 to 4.
+CPU_WORLDS = ([("cpu", w) for w in (1, 2, 3, 4)] if _selected("cpu") else []) + (
+    [("dist", w) for w in (2, 4)] if _selected("dist") else [])
 GPU_WORLDS = [("gpu", w) for w in gpu_world_sizes()] if _selected("gpu") else []
 ALL_WORLDS = CPU_WORLDS + GPU_WORLDS
 world_ids = [f"{t}{w}" for t, w in ALL_WORLDS]

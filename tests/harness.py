@@ -11,6 +11,7 @@ moved to the CPU.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -27,12 +28,14 @@ class Rank:
     MAX_CACHED = 6
 
     def __init__(self, rank: int, world: int, transport: str):
+        import rdna4_comm as rc
+
         self.rank, self.world, self.transport = rank, world, transport
         # Ranks share GPUs round-robin where there are fewer GPUs than ranks
         # (only with RDNA4_COMM_ALLOW_SHARED_GPU=1; see gpu_world_sizes).
-        self.device = (
-            torch.device("cuda", rank % torch.cuda.device_count()) if transport == "gpu" else torch.device("cpu")
-        )
+        # "dist" runs on the GPUs where every rank has one.
+        on_gpu = transport == "gpu" or (transport == "dist" and rc._C.with_gpu and torch.cuda.is_available())
+        self.device = torch.device("cuda", rank % torch.cuda.device_count()) if on_gpu else torch.device("cpu")
         self._comms: dict = {}
 
     def comm(self, **kwargs):
@@ -56,7 +59,7 @@ class Rank:
         self._comms.clear()
 
     def sync(self):
-        if self.transport == "gpu":
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def close(self):
@@ -64,20 +67,23 @@ class Rank:
         dist.destroy_process_group()
 
 
-def _setup(member: Member, transport: str) -> Rank:
+def _setup(member: Member, transport: str, env_of_rank: dict) -> Rank:
+    os.environ.update(env_of_rank.get(member.rank, {}))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=member.init_method, rank=member.rank, world_size=member.world)
     ctx = Rank(member.rank, member.world, transport)
-    if transport == "gpu":
+    if ctx.device.type == "cuda":
         torch.cuda.set_device(ctx.device)
     return ctx
 
 
 class World(ProcessWorld):
-    """``size`` ranks on ``transport``, each with a gloo process group."""
+    """``size`` ranks on ``transport``, each with a gloo process group;
+    ``env_of_rank`` maps a rank to environment variables set in its process
+    before anything else (e.g. RDNA4_COMM_HOST_ID: simulated hosts)."""
 
-    def __init__(self, size: int, transport: str = "cpu"):
-        super().__init__(size, _setup, (transport,))
+    def __init__(self, size: int, transport: str = "cpu", env_of_rank: Optional[dict] = None):
+        super().__init__(size, _setup, (transport, env_of_rank or {}))
         self.transport = transport
 
     def run(self, fn, *args, per_rank=None, timeout: float = TASK_TIMEOUT_S, ranks=None):

@@ -63,7 +63,7 @@ CASES = {
     "ctor.hidden_type": (lambda e: constructor(max_tokens_per_rank=4, hidden=8.0, topk=2, num_experts=2 * e.W),
                          "ValueError", "hidden must be a positive int, got 8.0"),
     "ctor.transport": (lambda e: constructor(transport="nvlink"), "ValueError",
-                       "transport must be 'auto', 'gpu' or 'cpu', got 'nvlink'"),
+                       "transport must be one of ('auto', 'gpu', 'cpu', 'dist'), got 'nvlink'"),
     "ctor.timeout": (lambda e: constructor(timeout_ms=-5), "ValueError", "timeout_ms must be a positive int, got -5"),
     "ctor.slot_bytes": (lambda e: constructor(allreduce_slot_bytes=0), "ValueError",
                         "allreduce_slot_bytes must be a positive int, got 0"),

@@ -89,7 +89,7 @@ void launch_combine(const Env& env, const CombineArgs& a, Stream s);
 void launch_all_reduce_rmsnorm(const Env& env, const AllReduceRmsNormArgs& a, Stream s);
 // Writes, per source rank, the number of probe words that arrived wrong (or
 // -1 when its flag never came) into `result` (device memory, [W] int32).
-void launch_probe(const Env& env, int32_t* result, Stream s);
+void launch_probe(const Env& env, int32_t* result, int corrupt_dst, Stream s);
 
 }  // namespace gpu
 }  // namespace rdna4_comm
