@@ -151,7 +151,7 @@ def t_catalogue(ctx):
     closed.close()
     e = SimpleNamespace(
         W=W, dev=dev, comm=comm, ar_only=ar_only, closed=closed, x=x, idx=idx, w=w, d=d, foreign=foreign,
-        y=expert_fn(d.x, ctx.rank), wrong_device=torch.device("meta") if ctx.transport == "cpu" else torch.device("cpu"),
+        y=expert_fn(d.x, ctx.rank), wrong_device=torch.device("meta") if ctx.device.type == "cpu" else torch.device("cpu"),
         ones=lambda *shape: torch.ones(*shape, dtype=torch.bfloat16, device=dev),
         zeros_ids=lambda T: torch.zeros(T, K, dtype=torch.long, device=dev),
     )
