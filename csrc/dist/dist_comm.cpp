@@ -12,6 +12,7 @@
 // stream wait), trace under torch.compile and can be captured in graphs.
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/version.h>
 
 #include <c10/util/Exception.h>
 
@@ -236,7 +237,12 @@ class DistComm final : public Comm {
     std::vector<int64_t> equal_splits;
     c10d::AllToAllOptions opts;
     opts.timeout = std::chrono::milliseconds(cfg_.timeout_ms);
+    // torch 2.13 renamed alltoall_base (deprecated since) to all_to_all_single.
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 13
     run(op, gen, "all_to_all_single", [&] { return group_->all_to_all_single(recv, send, equal_splits, equal_splits, opts); });
+#else
+    run(op, gen, "all_to_all_single", [&] { return group_->alltoall_base(recv, send, equal_splits, equal_splits, opts); });
+#endif
   }
 
   // gathered: [W, ...mine's shape], contiguous.
@@ -244,7 +250,12 @@ class DistComm final : public Comm {
     c10d::AllgatherOptions opts;
     opts.timeout = std::chrono::milliseconds(cfg_.timeout_ms);
     at::Tensor flat = gathered.view({-1});  // gloo splits the output by the input's shape
+    // torch 2.13 renamed _allgather_base (deprecated since) to all_gather_single.
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 13
     run(op, gen, "all_gather_single", [&] { return group_->all_gather_single(flat, mine, opts); });
+#else
+    run(op, gen, "all_gather_single", [&] { return group_->_allgather_base(flat, mine, opts); });
+#endif
   }
 
   // Starts a collective and waits for it. The collective carries the
