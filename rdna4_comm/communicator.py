@@ -23,6 +23,7 @@ EP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # process exits is noticed within kLivenessPeriodMs whatever this bound is.
 DEFAULT_TIMEOUT_MS = 300_000
 HOST_ID_ENV = "RDNA4_COMM_HOST_ID"
+DIST_SETUP_MS = 30_000
 # all_reduce inbox per (parity, source rank). One-shot chunks are at most one
 # slot; two-shot chunks at most world_size slots. Larger tensors are chunked.
 # "dist" has no heap: the slot only bounds the temporaries of a chunk.
@@ -318,6 +319,10 @@ class Communicator:
                 raise ValueError(f"RDNA4_COMM_TIMEOUT_MS must be a positive integer (milliseconds), got {env!r}") from None
         timeout_ms = _positive_int("timeout_ms", timeout_ms)
 
+        # The ordering token needs torch._dynamo, whose first import takes
+        # seconds: done before the construction's deadline starts.
+        import torch._dynamo  # noqa: F401
+
         # Every exchange of the construction is bounded by timeout_ms (_rendezvous).
         rendezvous = Rendezvous(self.group, timeout_ms)
         hello = rendezvous.exchange("hello", dict(report=rank_report(), pid=os.getpid(),
@@ -414,8 +419,11 @@ class Communicator:
             # the device, whatever bootstraps `group`. NCCL needs a GPU per rank.
             gpus = {(rep.host, rep.gpu) for rep in reports}
             nccl = self.device.type == "cuda" and len(gpus) == len(reports)
-            dist_group = self._own_group("nccl" if nccl else "gloo", timedelta(milliseconds=config.timeout_ms),
-                                         rendezvous)
+            # The group's own timeout bounds its connection set-up (every
+            # collective carries timeout_ms itself): at least DIST_SETUP_MS,
+            # which connecting gloo's pairs can take on a loaded host.
+            setup = timedelta(milliseconds=max(config.timeout_ms, DIST_SETUP_MS))
+            dist_group = self._own_group("nccl" if nccl else "gloo", setup, rendezvous)
             config.group_name = dist_group.group_name
         handle = _C.create(config)
         self._open = True

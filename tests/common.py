@@ -94,3 +94,13 @@ def ep_inputs(seed: int, rank: int, world: int, T: int, cfg: dict, kind: str, we
 def expert_fn(x: torch.Tensor, rank: int, salt: int = 0) -> torch.Tensor:
     """A stand-in expert that rounds exactly once (so eager, compiled and GPU agree bitwise)."""
     return (x.float() * 2 + (rank + 1 + salt)).to(x.dtype)
+
+
+SHORT_TIMEOUT_MS = 700
+
+
+def short_timeout_ms(transport: str) -> int:
+    """A bound that a skipped call reaches quickly. It bounds construction
+    too, and a dist communicator's construction connects a process group of
+    its own, which takes seconds on a loaded 2-core machine."""
+    return 5000 if transport == "dist" else SHORT_TIMEOUT_MS

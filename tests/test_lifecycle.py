@@ -8,14 +8,14 @@ import time
 
 import pytest
 import torch
-from common import assert_bitwise, rand
+from common import assert_bitwise, rand, short_timeout_ms
 from conftest import GPU_WORLDS
 from harness import World
 
 import rdna4_comm as rc
 from rdna4_comm import reference
 
-SHORT_TIMEOUT_MS = 700
+
 
 
 def shm_segments(*pids: int) -> list[str]:
@@ -60,7 +60,7 @@ def test_close_context_manager_and_use_after_close(world_small):
 
 
 def t_skip_one_call(ctx, skipper):
-    c = ctx.comm(timeout_ms=SHORT_TIMEOUT_MS, allreduce_slot_bytes=4096)
+    c = ctx.comm(timeout_ms=short_timeout_ms(ctx.transport), allreduce_slot_bytes=4096)
     x = rand(5, ctx.rank, (256,)).to(ctx.device)
     c.all_reduce(x)
     c.check()
@@ -105,7 +105,7 @@ def test_a_rank_that_skips_a_call_makes_the_others_raise(world_small):
         waited_for = "in torch.distributed" if world_small.transport == "dist" else f"waiting for rank {skipper}"
         assert "all_reduce" in message and waited_for in message, message
         assert "generation 2" in message and "timed out" in message
-        assert elapsed < SHORT_TIMEOUT_MS / 1000 + 5
+        assert elapsed < short_timeout_ms(world_small.transport) / 1000 + 5
         assert again is not None and "timed out" in again  # the communicator stays failed
     # The world (and the GPU) stays usable for new communicators.
     world_small.run(t_drop_communicators)
