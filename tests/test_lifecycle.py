@@ -157,6 +157,8 @@ def test_a_killed_rank_makes_the_peer_raise_at_once_and_leaves_no_shm(transport)
 
 
 def t_construct(ctx, timeout_ms):
+    import torch._dynamo  # noqa: F401  (Communicator imports it before its deadline starts; not timed here)
+
     start = time.monotonic()
     try:
         rc.Communicator(transport=ctx.transport, timeout_ms=timeout_ms).close()
@@ -168,6 +170,8 @@ def t_construct(ctx, timeout_ms):
 def t_construct_in_background(ctx):
     """Start constructing and return while the construction waits for rank 0."""
     import threading
+
+    import torch._dynamo  # noqa: F401  (slow first import: before the construction starts)
 
     threading.Thread(target=lambda: rc.Communicator(transport=ctx.transport), daemon=True).start()
     time.sleep(0.5)  # long enough to publish its first record
