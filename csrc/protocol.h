@@ -275,13 +275,17 @@ RC_HD void rmsnorm_piece(int64_t n, int b, int blocks, int64_t* r0, int64_t* r1)
   *r1 = per * (b + 1) < n ? per * (b + 1) : n;
 }
 
-// The norm's arithmetic, shared by every transport: 1 / sqrt(mean + eps) with
-// IEEE division and square root, the value torch's rsqrt gives on the CPU.
-RC_HD float rmsnorm_inv_rms(float sum_squares, int64_t hidden, float eps) {
+// The norm's arithmetic, shared by every transport: the sum of squares comes
+// in fp64 and the mean is rounded once to fp32, so it differs from the exact
+// mean by that rounding alone (torch's fp32 mean is a few ulps off for long
+// rows); then 1 / sqrt(mean + eps) with IEEE division and square root, the
+// value torch's rsqrt gives on the CPU.
+RC_HD float rmsnorm_inv_rms(double sum_squares, int64_t hidden, float eps) {
+  const float mean = float(sum_squares / double(hidden));
 #if defined(__HIP__)
-  return 1.0f / __builtin_sqrtf(sum_squares / float(hidden) + eps);
+  return 1.0f / __builtin_sqrtf(mean + eps);
 #else
-  return 1.0f / sqrtf(sum_squares / float(hidden) + eps);
+  return 1.0f / sqrtf(mean + eps);
 #endif
 }
 

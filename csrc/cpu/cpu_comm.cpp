@@ -76,9 +76,9 @@ void sum_in_order(at::ScalarType st, char* out, const std::vector<const char*>& 
 
 // The residual add and the norm of rows whose all_reduce sum is c.x, in the
 // op's roundings (docs/semantics.md): r = round(s + residual); out =
-// round(w * round(r * inv_rms)). The sum of squares runs over kLanes strided
-// partial sums combined pairwise, a fixed order (bitwise equal results on
-// every rank and run) that stays close to torch's pairwise mean.
+// round(w * round(r * inv_rms)). The sum of squares accumulates in fp64
+// (rmsnorm_inv_rms says why) over kLanes strided partial sums combined
+// pairwise, a fixed order: bitwise equal results on every rank and run.
 template <typename T, typename W>
 void rmsnorm_rows(const RmsNormRows& c) {
   constexpr int kLanes = 16;
@@ -89,11 +89,11 @@ void rmsnorm_rows(const RmsNormRows& c) {
     const T* res = c.residual ? reinterpret_cast<const T*>(c.residual) + row * H : nullptr;
     T* r = reinterpret_cast<T*>(c.residual_out) + row * H;
     T* out = reinterpret_cast<T*>(c.out) + row * H;
-    float lanes[kLanes] = {};
+    double lanes[kLanes] = {};
     for (int64_t i = 0; i < H; ++i) {
       const T v = res ? T(float(s[i]) + float(res[i])) : s[i];
       r[i] = v;
-      lanes[i % kLanes] += float(v) * float(v);
+      lanes[i % kLanes] += double(float(v)) * double(float(v));
     }
     for (int width = kLanes / 2; width > 0; width /= 2)
       for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];

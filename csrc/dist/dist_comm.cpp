@@ -95,7 +95,14 @@ class DistComm final : public Comm {
     at::Tensor r = rows(c.x);
     if (c.residual) r = (r.to(at::kFloat) + rows(c.residual).to(at::kFloat)).to(c.dtype);
     const at::Tensor r32 = r.to(at::kFloat);
-    const at::Tensor normed = (r32 * at::rsqrt(r32.pow(2).mean(-1, /*keepdim=*/true) + c.eps)).to(c.dtype);
+    // rmsnorm_inv_rms's arithmetic: the squares summed in fp64, the mean
+    // rounded once to fp32, then correctly rounded fp32 steps. Each step runs
+    // in fp64 and is rounded to fp32, since ATen's fp32 sqrt and rsqrt are
+    // not always correctly rounded (Sleef on the CPU, approximate on CUDA).
+    auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat).to(at::kDouble); };
+    const at::Tensor mean = f32(r32.to(at::kDouble).pow(2).sum(-1, /*keepdim=*/true) / double(c.hidden));
+    const at::Tensor inv = f32(1.0 / f32(f32(mean + double(c.eps)).sqrt()));
+    const at::Tensor normed = (r32.to(at::kDouble) * inv).to(at::kFloat).to(c.dtype);
     const at::Tensor w = at::from_blob(const_cast<void*>(c.weight), {c.hidden},
                                        opts.dtype(c.weight_fp32 ? at::kFloat : c.dtype));
     rows(c.out).copy_((w.to(at::kFloat) * normed.to(at::kFloat)).to(c.dtype));

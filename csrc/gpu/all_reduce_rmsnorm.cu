@@ -20,8 +20,9 @@ namespace {
 static_assert(kThreads == kRmsNormBlockThreads, "the gate's row capacity assumes the kernels' block size");
 
 // Sum of every thread's v in a fixed tree order (bitwise equal on every rank
-// and run). `red` holds kThreads floats of shared memory.
-RC_DEVICE float block_sum_f32(float v, float* red) {
+// and run), in fp64 (rmsnorm_inv_rms says why). `red` holds kThreads
+// doubles of shared memory.
+RC_DEVICE double block_sum_squares(double v, double* red) {
   const int tid = threadIdx.x;
   red[tid] = v;
   block_sync();
@@ -29,7 +30,7 @@ RC_DEVICE float block_sum_f32(float v, float* red) {
     if (tid < width) red[tid] += red[tid + width];
     block_sync();
   }
-  const float total = red[0];
+  const double total = red[0];
   block_sync();  // every thread has read red[0] before the next row's writes
   return total;
 }
@@ -42,7 +43,7 @@ RC_DEVICE float block_sum_f32(float v, float* red) {
 // same bits.
 template <DType D, typename V, bool kInRegisters>
 RC_DEVICE void finish_row(const AllReduceRmsNormArgs& a, const ConstRankPtrs& src, uint32_t mask, int64_t row,
-                          float* red) {
+                          double* red) {
   using E = Elem<D>;
   using Raw = typename E::Raw;
   constexpr int N = sizeof(V) / sizeof(Raw);
@@ -55,7 +56,7 @@ RC_DEVICE void finish_row(const AllReduceRmsNormArgs& a, const ConstRankPtrs& sr
   const V* residual = a.residual ? reinterpret_cast<const V*>(static_cast<const Raw*>(a.residual) + row * H) : nullptr;
   V* rout = reinterpret_cast<V*>(static_cast<Raw*>(a.residual_out) + row * H);
   V* out = reinterpret_cast<V*>(static_cast<Raw*>(a.out) + row * H);
-  float squares = 0.f;
+  double squares = 0.0;
   auto residual_add = [&](uint32_t v) {
     Pack s;
     s.v = sum_one<D, V>(src, mask, v);
@@ -67,7 +68,7 @@ RC_DEVICE void finish_row(const AllReduceRmsNormArgs& a, const ConstRankPtrs& sr
     }
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-      const float f = E::load(s.e[j]);
+      const double f = E::load(s.e[j]);
       squares += f * f;
     }
     rout[v] = s.v;
@@ -100,7 +101,7 @@ RC_DEVICE void finish_row(const AllReduceRmsNormArgs& a, const ConstRankPtrs& sr
       const uint32_t v = threadIdx.x + k * nt;
       if (v < nvec) keep[k] = residual_add(v);
     }
-    inv = rmsnorm_inv_rms(block_sum_f32(squares, red), H, a.eps);
+    inv = rmsnorm_inv_rms(block_sum_squares(squares, red), H, a.eps);
 #pragma unroll
     for (int k = 0; k < kRmsNormRowVectorsPerThread; ++k) {
       const uint32_t v = threadIdx.x + k * nt;
@@ -108,14 +109,14 @@ RC_DEVICE void finish_row(const AllReduceRmsNormArgs& a, const ConstRankPtrs& sr
     }
   } else {
     for (uint32_t v = threadIdx.x; v < nvec; v += nt) residual_add(v);
-    inv = rmsnorm_inv_rms(block_sum_f32(squares, red), H, a.eps);
+    inv = rmsnorm_inv_rms(block_sum_squares(squares, red), H, a.eps);
     for (uint32_t v = threadIdx.x; v < nvec; v += nt) normalise(v, rout[v]);
   }
 }
 
 template <DType D, typename V, bool kInRegisters>
 __global__ void __launch_bounds__(kThreads) all_reduce_rmsnorm_kernel(Env env, AllReduceRmsNormArgs a) {
-  __shared__ float red[kThreads];
+  __shared__ double red[kThreads];
   const Layout& L = env.layout;
   const int me = env.rank, W = env.world, b = blockIdx.x, G = gridDim.x;
   const int64_t row_bytes = a.hidden * int64_t(sizeof(typename Elem<D>::Raw));
