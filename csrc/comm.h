@@ -159,6 +159,11 @@ std::shared_ptr<Comm> make_cpu_comm(CommConfig cfg);
 std::shared_ptr<Comm> make_dist_comm(CommConfig cfg);
 #ifdef RDNA4_COMM_WITH_GPU
 std::shared_ptr<Comm> make_gpu_comm(CommConfig cfg);
+// Whether the current stream of the device is capturing a graph.
+bool current_stream_capturing(int device_index);
+// Test kernels (rdna4_comm._C.testing), on the device's current stream.
+void occupy_gpu(int device_index, double fraction, int64_t ms);
+void store_out_of_bounds(int device_index);
 #endif
 
 }  // namespace rdna4_comm

@@ -38,6 +38,13 @@ class Rank:
         self.device = torch.device("cuda", rank % torch.cuda.device_count()) if on_gpu else torch.device("cpu")
         self._comms: dict = {}
 
+    @property
+    def captures_graphs(self) -> bool:
+        """Whether this rank's ops can be captured in CUDA graphs: on GPUs,
+        except transport "dist" where ranks share a GPU (NCCL refuses that, so
+        its group is gloo, which synchronises the stream on the host)."""
+        return self.device.type == "cuda" and (self.transport != "dist" or torch.cuda.device_count() >= self.world)
+
     def comm(self, **kwargs):
         """A communicator with these arguments, created collectively on first use.
         Every rank must ask for the same ones in the same order."""

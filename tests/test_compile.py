@@ -24,9 +24,9 @@ COMPILE_TIMEOUT_MS = 120_000
 WORLDS = [("cpu", 2), ("dist", 2)] + [("gpu", w) for _, w in GPU_WORLDS[:1]]
 
 
-def compiled(fn, device: torch.device):
-    """Compiled with CUDA graphs on GPUs."""
-    return torch.compile(fn, fullgraph=True, **({"mode": "reduce-overhead"} if device.type == "cuda" else {}))
+def compiled(fn, ctx):
+    """Compiled, with CUDA graphs where the rank's ops can be captured."""
+    return torch.compile(fn, fullgraph=True, **({"mode": "reduce-overhead"} if ctx.captures_graphs else {}))
 
 
 def ep_cfg(W, hidden=32):
@@ -42,7 +42,7 @@ def t_moe_layer_with_no_tokens_on_rank_0(ctx):
     """The issue's reproducer: layer(x) + x, rank 0 with no tokens."""
     comm = ctx.comm(**ep_cfg(ctx.world))
     layer = moe.ExpertParallelMoE(comm, ffn=16)
-    f = compiled(lambda x: layer(x) + x, ctx.device)
+    f = compiled(lambda x: layer(x) + x, ctx)
     skips = cudagraph_skips()
     outs = []
     for i in range(3):  # reduce-overhead records on the first calls, then replays
@@ -63,7 +63,7 @@ def t_dead_all_reduce_on_rank_0(ctx):
     else:
         def f(x):
             return comm.all_reduce(x) * 2
-    g = compiled(f, ctx.device)
+    g = compiled(f, ctx)
     outs = [g(rand(10 + i, ctx.rank, (3, 40)).to(ctx.device)).clone() for i in range(3)]
     ctx.sync()
     return outs
@@ -81,7 +81,7 @@ def t_dead_dispatch_combine(ctx):
         out = comm.combine(expert_fn(d.x, ctx.rank), d.handle)
         return (out * 2 + 1) if ctx.rank else x.sum()
 
-    g = compiled(f, ctx.device)
+    g = compiled(f, ctx)
     outs = []
     for i in range(3):
         T = 0 if ctx.rank == 0 else 6
@@ -179,7 +179,7 @@ def t_independent_collectives_keep_program_order(ctx):
     x, idx, w = (t.to(ctx.device) for t in ep_inputs(3, ctx.rank, ctx.world, 5, rcfg, "random"))
     u, v = rand(1, ctx.rank, (7,)).to(ctx.device), rand(2, ctx.rank, (9,)).to(ctx.device)
     traced = torch.compile(f, fullgraph=True, backend=backend)(u, v, x, idx, w)
-    inductor = compiled(f, ctx.device)(u, v, x, idx, w)
+    inductor = compiled(f, ctx)(u, v, x, idx, w)
     eager = f(u, v, x, idx, w)
     ctx.sync()
     return [collective_chain(g) for g in graphs], traced, inductor, eager

@@ -4,6 +4,7 @@ transport: the pure decision function, simulated hosts, forced transports.
 (Every shared property also runs on the dist worlds of the other test files.)"""
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -186,10 +187,11 @@ def t_auto_round_trip(ctx, cfg, seed, Ts, kind, weights):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         comm = ctx.comm(transport="auto", **cfg)
-    x, idx, w = ep_inputs(seed, ctx.rank, ctx.world, Ts[ctx.rank], ref_cfg(cfg), kind, weights)
+    x, idx, w = (t if t is None else t.to(comm.device)
+                 for t in ep_inputs(seed, ctx.rank, ctx.world, Ts[ctx.rank], ref_cfg(cfg), kind, weights))
     d = comm.dispatch(x, idx, w)
     out = comm.combine(expert_fn(d.x, ctx.rank), d.handle)
-    s = comm.all_reduce(rand(seed, ctx.rank, (1 + seed % 3000,)))
+    s = comm.all_reduce(rand(seed, ctx.rank, (1 + seed % 3000,)).to(comm.device))
     return comm.transport, comm.transport_reason, [str(c.message) for c in caught], d, out, s
 
 
@@ -243,11 +245,14 @@ def test_forced_transports_on_two_simulated_hosts(two_hosts):
 
 
 def test_one_host_auto_and_env(worlds):
-    """One host without GPUs: auto is "cpu"; RDNA4_COMM_TRANSPORT=dist replaces auto."""
-    world = worlds("cpu", 2)
-    for transport, reason in world.run(t_construct, {}, dict(transport="auto")):
-        assert transport == "cpu" and reason.startswith("one host without a GPU on every rank"), reason
-    assert world.run(t_construct, {TRANSPORT_ENV: "dist"}, {}) == [("dist", f"forced by {TRANSPORT_ENV}")] * 2
+    """One host without GPUs (on a GPU box: with them hidden): auto is "cpu";
+    RDNA4_COMM_TRANSPORT=dist replaces auto."""
+    hidden = {r: {"CUDA_VISIBLE_DEVICES": ""} for r in range(2)}
+    with contextlib.ExitStack() as stack:
+        world = stack.enter_context(World(2, "cpu", env_of_rank=hidden)) if GPU_WORLDS else worlds("cpu", 2)
+        for transport, reason in world.run(t_construct, {}, dict(transport="auto")):
+            assert transport == "cpu" and reason.startswith("one host without a GPU on every rank"), reason
+        assert world.run(t_construct, {TRANSPORT_ENV: "dist"}, {}) == [("dist", f"forced by {TRANSPORT_ENV}")] * 2
 
 
 # ------------------------------------------- GPU probe failure (fault injection)
@@ -276,3 +281,29 @@ def t_auto_round_trip_warned(ctx):
             warned = [str(c.message) for c in caught]
             assert len(warned) == 1 and "rank 0 -> rank 1" in warned[0], warned
             return comm.transport, comm.transport_reason
+
+
+# ------------------------------------------- gloo over CUDA tensors
+
+
+def t_capture_over_gloo(ctx):
+    comm = ctx.comm(allreduce_slot_bytes=4096)
+    x = rand(5, ctx.rank, (300,)).to(ctx.device)
+    comm.all_reduce(x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            comm.all_reduce(x)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return refused, comm.all_reduce(x)
+
+
+@pytest.mark.skipif(not GPU_WORLDS or torch.cuda.device_count() >= 2,
+                    reason="needs ranks sharing a GPU, where dist's group is gloo over CUDA tensors")
+def test_dist_over_gloo_refuses_a_graph_capture_and_stays_usable(worlds):
+    for refused, after in worlds("dist", 2).run(t_capture_over_gloo):
+        assert refused is not None and "gloo cannot be captured in a CUDA graph" in refused, refused
+        assert_bitwise(after, rc.reference.all_reduce([rand(5, r, (300,)) for r in range(2)]), "eager after")

@@ -118,3 +118,127 @@ def test_every_dispatch_field_under_replay(worlds):
         ref = reference.dispatch(list(xs), idxs, list(ws), num_experts=cfg["num_experts"], max_tokens_per_rank=CAP)
         for r in range(W):
             assert_dispatched(per_rank[r][k], ref[r], f"replay {i} rank {r}")
+
+
+# ------------------------------------------------------------ stream order
+#
+# A kernel reads its generation at start and its last block stores it back,
+# so two ops of one communicator on two streams could take the same
+# generation; the library orders every launch after the one before it.
+
+STREAM_ITERS = 200
+
+
+def stream_inputs(rank, world, i):
+    """Inputs of iteration i (four distinct sets, so the references are few)."""
+    return replay_inputs(rank, world, i % 4)
+
+
+def stream_reference(W, i):
+    cfg = graph_cfg(W)
+    xs, idxs, ws, ars = zip(*(stream_inputs(r, W, i) for r in range(W)))
+    ref = reference.dispatch(list(xs), list(idxs), list(ws), num_experts=cfg["num_experts"], max_tokens_per_rank=CAP)
+    return ref, reference.combine([expert_fn(ref[r].x, r) for r in range(W)], ref), reference.all_reduce(list(ars))
+
+
+def t_two_streams(ctx):
+    """all_reduce on a side stream interleaved with dispatch/combine and
+    another all_reduce (the same generation counter) on the main stream, no
+    host sync, every tensor kept alive until the end."""
+    comm = ctx.comm(**graph_cfg(ctx.world))
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    inputs = [tuple(t.to(ctx.device) for t in stream_inputs(ctx.rank, ctx.world, i)) for i in range(4)]
+    side.wait_stream(main)
+    results = []
+    for i in range(STREAM_ITERS):
+        x, idx, w, a = inputs[i % 4]
+        with torch.cuda.stream(side):
+            s = comm.all_reduce(a)
+        d = comm.dispatch(x, idx, w)
+        out = comm.combine(expert_fn(d.x, ctx.rank), d.handle)
+        results.append((d.counts, d.x, out, s, comm.all_reduce(a)))
+    main.wait_stream(side)
+    ctx.sync()
+    return results
+
+
+def t_replays_beside_eager_ops_on_another_stream(ctx):
+    """A captured all_reduce replayed on the main stream while eager
+    dispatch/combine and all_reduce run on a side stream, no host sync."""
+    comm = ctx.comm(**graph_cfg(ctx.world))
+    inputs = [tuple(t.to(ctx.device) for t in stream_inputs(ctx.rank, ctx.world, i)) for i in range(4)]
+    a = inputs[0][3].clone()
+    comm.all_reduce(a)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = comm.all_reduce(a)
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    results = []
+    for i in range(STREAM_ITERS // 4):
+        x, idx, w, new_a = inputs[i % 4]
+        a.copy_(new_a)
+        graph.replay()
+        s = captured.clone()
+        side.wait_stream(main)  # the inputs were written on the main stream
+        with torch.cuda.stream(side):
+            d = comm.dispatch(x, idx, w)
+            out = comm.combine(expert_fn(d.x, ctx.rank), d.handle)
+            eager_sum = comm.all_reduce(new_a)
+        results.append((d.counts, d.x, out, s, eager_sum))
+    main.wait_stream(side)
+    ctx.sync()
+    return results
+
+
+@pytest.mark.parametrize("task", [t_two_streams, t_replays_beside_eager_ops_on_another_stream],
+                         ids=["eager", "replay"])
+def test_ops_on_two_streams_keep_their_order(worlds, task):
+    W = GPU_WORLDS[0][1]
+    per_rank = worlds("gpu", W).run(task)
+    refs = [stream_reference(W, i) for i in range(4)]
+    for i in range(len(per_rank[0])):
+        ref, ref_out, ref_sum = refs[i % 4]
+        for r in range(W):
+            counts, rx, out, *sums = per_rank[r][i]
+            what = f"{task.__name__} {i} rank {r}"
+            assert_bitwise(counts, ref[r].counts, what + " counts")
+            assert_bitwise(rx, ref[r].x, what + " x")
+            assert_bitwise(out, ref_out[r], what + " combine")
+            for k, s in enumerate(sums):
+                assert_bitwise(s, ref_sum, f"{what} all_reduce {k}")
+
+
+# ------------------------------------------------------------ co-residency
+
+
+def t_ops_beside_a_kernel_filling_the_gpu(ctx, fraction, ms):
+    """Mixed ops while another stream's kernel holds most of the GPU's thread
+    slots for `ms` ms: every block of every op still gets to run."""
+    import rdna4_comm as rc
+
+    comm = ctx.comm(**graph_cfg(ctx.world), timeout_ms=20 * ms)
+    inputs = [tuple(t.to(ctx.device) for t in stream_inputs(ctx.rank, ctx.world, i)) for i in range(4)]
+    ctx.sync()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        rc._C.testing.occupy_gpu(ctx.device.index, fraction, ms)
+    results = []
+    for i in range(8):
+        x, idx, w, a = inputs[i % 4]
+        d = comm.dispatch(x, idx, w)
+        results.append((d.counts, d.x, comm.combine(expert_fn(d.x, ctx.rank), d.handle), comm.all_reduce(a)))
+    ctx.sync()
+    return results
+
+
+def test_ops_complete_beside_a_kernel_filling_the_gpu(worlds):
+    W = GPU_WORLDS[0][1]
+    per_rank = worlds("gpu", W).run(t_ops_beside_a_kernel_filling_the_gpu, 0.9, 1000)
+    refs = [stream_reference(W, i) for i in range(4)]
+    for i in range(8):
+        ref, ref_out, ref_sum = refs[i % 4]
+        for r in range(W):
+            counts, rx, out, s = per_rank[r][i]
+            assert_bitwise(rx, ref[r].x, f"op {i} rank {r} x")
+            assert_bitwise(out, ref_out[r], f"op {i} rank {r} combine")
+            assert_bitwise(s, ref_sum, f"op {i} rank {r} all_reduce")

@@ -270,6 +270,15 @@ class DistComm final : public Comm {
   // wait blocks the host (CPU tensors); a NCCL wait only makes the current
   // stream wait, so it takes no host-side bound (one would block the host).
   void run(int op, uint64_t gen, const char* collective, const std::function<c10::intrusive_ptr<c10d::Work>()>& start) {
+#ifdef RDNA4_COMM_WITH_GPU
+    // gloo synchronises the stream of a CUDA tensor on the host, which a
+    // capture forbids (and which would invalidate it): refuse before that.
+    TORCH_CHECK_VALUE(!(device_.is_cuda() && group_->getBackendType() == c10d::ProcessGroup::BackendType::GLOO &&
+                        current_stream_capturing(device_.index())),
+                      op_name(op), ": transport 'dist' runs over gloo here (ranks share a GPU, which NCCL refuses), "
+                      "and gloo cannot be captured in a CUDA graph: run it eagerly, or capture with one GPU per rank "
+                      "(NCCL) or transport 'gpu'");
+#endif
     try {
       auto work = start();
       if (device_.is_cpu())

@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Env env, AllReduce
 void launch_all_reduce(const Env& env, const AllReduceArgs& a, Stream s) {
   const int elt = a.dtype == DType::kF32 ? 4 : 2;
   const int64_t per_rank = allreduce_shares(a.n, env.world, elt, a.one_shot).q;
-  launch(all_reduce_kernel, allreduce_blocks(per_rank * elt, env.sm_count), s, env, a);
+  launch("all_reduce", all_reduce_kernel, allreduce_blocks(per_rank * elt, env.sm_count), s, env, a);
 }
 
 }  // namespace gpu

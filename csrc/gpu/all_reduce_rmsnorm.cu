@@ -205,11 +205,11 @@ template <DType D>
 void launch_variant(const Env& env, const AllReduceRmsNormArgs& a, int blocks, Stream s) {
   const bool in_registers = a.vectorized && rmsnorm_row_in_registers(a.hidden, D == DType::kF32 ? 4 : 2);
   if (in_registers)
-    launch(all_reduce_rmsnorm_kernel<D, uint4, true>, blocks, s, env, a);
+    launch("all_reduce_rmsnorm", all_reduce_rmsnorm_kernel<D, uint4, true>, blocks, s, env, a);
   else if (a.vectorized)
-    launch(all_reduce_rmsnorm_kernel<D, uint4, false>, blocks, s, env, a);
+    launch("all_reduce_rmsnorm", all_reduce_rmsnorm_kernel<D, uint4, false>, blocks, s, env, a);
   else
-    launch(all_reduce_rmsnorm_kernel<D, typename Elem<D>::Raw, false>, blocks, s, env, a);
+    launch("all_reduce_rmsnorm", all_reduce_rmsnorm_kernel<D, typename Elem<D>::Raw, false>, blocks, s, env, a);
 }
 
 }  // namespace

@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs 
 void launch_combine(const Env& env, const CombineArgs& a, Stream s) {
   const EpGrid g = combine_grid(a.ntok, env.world, env.sm_count);
   const int vec = widest_vector(env.layout.hidden * env.layout.elt, {a.y, a.out});
-  launch(combine_kernel, g.send_blocks + g.recv_blocks, s, env, a, g.send_blocks, vec);
+  launch("combine", combine_kernel, g.send_blocks + g.recv_blocks, s, env, a, g.send_blocks, vec);
 }
 
 }  // namespace gpu

@@ -268,11 +268,11 @@ void launch_dispatch(const Env& env, const DispatchArgs& a, Stream s) {
   const int vec = widest_vector(env.layout.hidden * env.layout.elt, {a.x, a.out_x});
   const int blocks = g.send_blocks + g.recv_blocks;
   if (env.layout.topk == 8) {
-    if (a.idx_is_int64) launch(dispatch_kernel<int64_t, 8>, blocks, s, env, a, g.send_blocks, vec);
-    else launch(dispatch_kernel<int32_t, 8>, blocks, s, env, a, g.send_blocks, vec);
+    if (a.idx_is_int64) launch("dispatch", dispatch_kernel<int64_t, 8>, blocks, s, env, a, g.send_blocks, vec);
+    else launch("dispatch", dispatch_kernel<int32_t, 8>, blocks, s, env, a, g.send_blocks, vec);
   } else {
-    if (a.idx_is_int64) launch(dispatch_kernel<int64_t, 0>, blocks, s, env, a, g.send_blocks, vec);
-    else launch(dispatch_kernel<int32_t, 0>, blocks, s, env, a, g.send_blocks, vec);
+    if (a.idx_is_int64) launch("dispatch", dispatch_kernel<int64_t, 0>, blocks, s, env, a, g.send_blocks, vec);
+    else launch("dispatch", dispatch_kernel<int32_t, 0>, blocks, s, env, a, g.send_blocks, vec);
   }
 }
 

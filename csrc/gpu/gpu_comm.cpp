@@ -75,6 +75,7 @@ class GpuComm final : public Comm {
     if (env_.data[cfg_.rank]) (void)free_device(env_.data[cfg_.rank]);
     if (error_host_) (void)free_host(error_host_);
     if (probe_result_) (void)free_device(probe_result_);
+    if (last_launch_) (void)event_destroy(last_launch_);
   }
 
   std::string export_handle() override {
@@ -108,6 +109,7 @@ class GpuComm final : public Comm {
     void* probe = nullptr;
     RC_GPU_CHECK(malloc_data(&probe, sizeof(int32_t) * kMaxGpuWorld));
     probe_result_ = static_cast<int32_t*>(probe);
+    RC_GPU_CHECK(event_create(&last_launch_));
     RC_GPU_CHECK(device_synchronize());
 
     ExportRecord rec{};
@@ -199,10 +201,7 @@ class GpuComm final : public Comm {
 
  protected:
   void all_reduce_chunk(at::ScalarType st, const char* in, char* out, int64_t n, bool one_shot) override {
-    c10::cuda::CUDAGuard guard(cfg_.device_index);
-    launch_all_reduce(env_, AllReduceArgs{in, out, n, dtype_of(st), one_shot},
-                      c10::cuda::getCurrentCUDAStream(cfg_.device_index).stream());
-    RC_GPU_CHECK(get_last_error());
+    in_stream_order([&](Stream s) { launch_all_reduce(env_, AllReduceArgs{in, out, n, dtype_of(st), one_shot}, s); });
   }
 
   void all_reduce_rmsnorm_chunk(const RmsNormRows& c, bool one_stage) override { launch_rmsnorm(c, one_stage, false); }
@@ -211,7 +210,6 @@ class GpuComm final : public Comm {
 
   void dispatch_impl(const at::Tensor& x, const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights,
                      Dispatched& out) override {
-    c10::cuda::CUDAGuard guard(cfg_.device_index);
     DispatchArgs a{};
     a.x = x.data_ptr();
     a.topk_idx = topk_idx.data_ptr();
@@ -226,13 +224,11 @@ class GpuComm final : public Comm {
     a.out_recv_src = out.recv_src.data_ptr<int32_t>();
     a.out_src_tokens = out.src_tokens.data_ptr<int32_t>();
     a.out_send_mask = out.send_mask.data_ptr<int32_t>();
-    launch_dispatch(env_, a, c10::cuda::getCurrentCUDAStream(cfg_.device_index).stream());
-    RC_GPU_CHECK(get_last_error());
+    in_stream_order([&](Stream s) { launch_dispatch(env_, a, s); });
   }
 
   void combine_impl(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
                     const at::Tensor& src_tokens, const at::Tensor& send_mask, at::Tensor& out) override {
-    c10::cuda::CUDAGuard guard(cfg_.device_index);
     CombineArgs a{};
     a.y = y.data_ptr();
     a.recv_src = recv_src.data_ptr<int32_t>();
@@ -242,13 +238,29 @@ class GpuComm final : public Comm {
     a.ntok = send_mask.size(0);
     a.dtype = dtype_of(cfg_.dtype);
     a.out = out.data_ptr();
-    launch_combine(env_, a, c10::cuda::getCurrentCUDAStream(cfg_.device_index).stream());
-    RC_GPU_CHECK(get_last_error());
+    in_stream_order([&](Stream s) { launch_combine(env_, a, s); });
   }
 
  private:
-  void launch_rmsnorm(const RmsNormRows& c, bool one_stage, bool local) {
+  // Stream order. A kernel reads its generation at start and its last block
+  // stores it back (device/sync.cuh), so a kernel of this communicator may
+  // start only once the one before it, on whatever stream, has finished:
+  // every launch waits on last_launch_, which the launch before it recorded.
+  // Under capture both are external graph nodes, so a replay waits for the
+  // launch before it, and the launch after a replay waits for the replay.
+  template <typename Launch>
+  void in_stream_order(Launch&& launch) {
     c10::cuda::CUDAGuard guard(cfg_.device_index);
+    const Stream s = c10::cuda::getCurrentCUDAStream(cfg_.device_index).stream();
+    bool capturing = false;
+    RC_GPU_CHECK(stream_is_capturing(s, &capturing));
+    RC_GPU_CHECK(stream_wait_event(s, last_launch_, capturing));
+    launch(s);
+    RC_GPU_CHECK(get_last_error());
+    RC_GPU_CHECK(event_record(last_launch_, s, capturing));
+  }
+
+  void launch_rmsnorm(const RmsNormRows& c, bool one_stage, bool local) {
     AllReduceRmsNormArgs a{};
     a.x = c.x;
     a.residual = c.residual;
@@ -263,8 +275,7 @@ class GpuComm final : public Comm {
     a.vectorized = c.vectorized;
     a.one_stage = one_stage;
     a.local = local;
-    launch_all_reduce_rmsnorm(env_, a, c10::cuda::getCurrentCUDAStream(cfg_.device_index).stream());
-    RC_GPU_CHECK(get_last_error());
+    in_stream_order([&](Stream s) { launch_all_reduce_rmsnorm(env_, a, s); });
   }
 
   // Peer access for the peer's device as this process numbers it (IPC opens
@@ -289,6 +300,7 @@ class GpuComm final : public Comm {
   Env env_;
   uint64_t* error_host_ = nullptr;
   int32_t* probe_result_ = nullptr;
+  Event last_launch_ = nullptr;
   std::thread watchdog_;
   std::mutex watchdog_mutex_;
   std::condition_variable watchdog_wake_;
@@ -298,5 +310,41 @@ class GpuComm final : public Comm {
 }  // namespace
 
 std::shared_ptr<Comm> make_gpu_comm(CommConfig cfg) { return std::make_shared<GpuComm>(std::move(cfg)); }
+
+namespace gpu {
+void raise_not_resident(const char* op, int blocks, int per_sm, int sm_count) {
+  TORCH_CHECK(false, "rdna4_comm: ", op, " launches ", blocks, " blocks whose blocks wait on each other, but this GPU ",
+              "holds only ", per_sm, " of them per multiprocessor x ", sm_count,
+              " multiprocessors at once: every block must be resident (the launch policy in csrc/protocol.h)");
+}
+}  // namespace gpu
+
+void occupy_gpu(int device_index, double fraction, int64_t ms) {
+  c10::cuda::CUDAGuard guard(device_index);
+  int sms = 0;
+  uint64_t ticks_per_ms = 0;
+  RC_GPU_CHECK(gpu::multiprocessor_count(&sms, device_index));
+  RC_GPU_CHECK(gpu::timer_ticks_per_ms(&ticks_per_ms, device_index));
+  const int blocks = std::max(1, int(fraction * gpu::occupy_blocks_per_sm() * sms));
+  gpu::launch_occupy(blocks, uint64_t(ms) * ticks_per_ms, c10::cuda::getCurrentCUDAStream(device_index).stream());
+  RC_GPU_CHECK(gpu::get_last_error());
+}
+
+void store_out_of_bounds(int device_index) {
+  c10::cuda::CUDAGuard guard(device_index);
+  constexpr int64_t kInts = 64;
+  void* p = nullptr;
+  RC_GPU_CHECK(gpu::malloc_data(&p, kInts * sizeof(int32_t)));
+  gpu::launch_store_out_of_bounds(static_cast<int32_t*>(p), kInts, c10::cuda::getCurrentCUDAStream(device_index).stream());
+  RC_GPU_CHECK(gpu::get_last_error());
+  RC_GPU_CHECK(gpu::device_synchronize());
+  RC_GPU_CHECK(gpu::free_device(p));
+}
+
+bool current_stream_capturing(int device_index) {
+  bool capturing = false;
+  RC_GPU_CHECK(gpu::stream_is_capturing(c10::cuda::getCurrentCUDAStream(device_index).stream(), &capturing));
+  return capturing;
+}
 
 }  // namespace rdna4_comm

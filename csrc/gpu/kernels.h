@@ -30,6 +30,10 @@ struct Env {
   uint64_t timeout_ticks = 0;
 };
 
+// Raises (defined with the torch glue): a launch of `blocks` blocks of kernel
+// `op` would not be resident at once, as the launch policy requires.
+[[noreturn]] void raise_not_resident(const char* op, int blocks, int per_sm, int sm_count);
+
 struct AllReduceArgs {
   const void* in;
   void* out;
@@ -90,6 +94,14 @@ void launch_all_reduce_rmsnorm(const Env& env, const AllReduceRmsNormArgs& a, St
 // Writes, per source rank, the number of probe words that arrived wrong (or
 // -1 when its flag never came) into `result` (device memory, [W] int32).
 void launch_probe(const Env& env, int32_t* result, int corrupt_dst, Stream s);
+
+// Test kernels (testing.cu). occupy: `blocks` blocks of kOccupyThreads
+// threads that spin for `ticks` timer ticks; store_out_of_bounds: one store
+// to p[index].
+constexpr int kOccupyThreads = 1024;
+int occupy_blocks_per_sm();
+void launch_occupy(int blocks, uint64_t ticks, Stream s);
+void launch_store_out_of_bounds(int32_t* p, int64_t index, Stream s);
 
 }  // namespace gpu
 }  // namespace rdna4_comm

@@ -34,6 +34,13 @@ namespace gpu {
   kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
 #endif
 using Stream = RC_RT(Stream_t);
+// Blocks of `threads` threads of `kernel` that one multiprocessor holds at
+// once, given the kernel's registers and shared memory.
+template <typename Kernel>
+inline int resident_blocks_per_sm(Kernel kernel, int threads) {
+  int n = 0;
+  return RC_RT(OccupancyMaxActiveBlocksPerMultiprocessor)(&n, kernel, threads, 0) == RC_RT(Success) ? n : 0;
+}
 
 // ------------------------------------------------------------ runtime API
 // Host glue only. The kernels define RC_KERNELS_ONLY (device/launch.cuh):
@@ -66,6 +73,25 @@ inline Error ipc_open_handle(void** p, const IpcHandle& h) {
 }
 inline Error ipc_close_handle(void* p) { return RC_RT(IpcCloseMemHandle)(p); }
 inline Error device_synchronize() { return RC_RT(DeviceSynchronize)(); }
+using Event = RC_RT(Event_t);
+inline Error event_create(Event* e) { return RC_RT(EventCreateWithFlags)(e, RC_RT(EventDisableTiming)); }
+inline Error event_destroy(Event e) { return RC_RT(EventDestroy)(e); }
+inline Error stream_is_capturing(Stream s, bool* capturing) {
+  RC_RT(StreamCaptureStatus) status;
+  const Error e = RC_RT(StreamIsCapturing)(s, &status);
+  *capturing = status != RC_RT(StreamCaptureStatusNone);
+  return e;
+}
+// Under capture, `external` makes the record and the wait nodes of the graph
+// that act on every launch of it, where plain ones would only be
+// dependencies inside the graph (and waiting on an event recorded outside
+// the capture would be an error).
+inline Error event_record(Event e, Stream s, bool external) {
+  return RC_RT(EventRecordWithFlags)(e, s, external ? RC_RT(EventRecordExternal) : RC_RT(EventRecordDefault));
+}
+inline Error stream_wait_event(Stream s, Event e, bool external) {
+  return RC_RT(StreamWaitEvent)(s, e, external ? RC_RT(EventWaitExternal) : RC_RT(EventWaitDefault));
+}
 #ifdef RC_HIP
 // Flags and counters: uncached, so peer writes are seen without cache
 // maintenance and spins poll memory, not a stale line.

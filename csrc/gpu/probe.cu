@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(kThreads) probe_kernel(Env env, int32_t* resul
 }  // namespace
 
 void launch_probe(const Env& env, int32_t* result, int corrupt_dst, Stream s) {
-  launch(probe_kernel, 1, s, env, result, corrupt_dst);
+  launch("probe", probe_kernel, 1, s, env, result, corrupt_dst);
 }
 
 }  // namespace gpu

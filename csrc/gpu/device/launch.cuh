@@ -23,9 +23,15 @@ static_assert(kThreads % 64 == 0, "a block is whole warps for every warp size");
 
 // Every kernel runs kThreads threads a block; `blocks` comes from the grid
 // policies in protocol.h (dispatch_grid, combine_grid, allreduce_blocks).
+// Co-residency: those policies count on one block per multiprocessor; the
+// kernel's real occupancy (registers, shared memory), asked once per kernel,
+// must hold the whole grid at once, or the launch raises instead of risking
+// a block that waits for one that never runs.
 template <typename Kernel, typename... Args>
-void launch(Kernel kernel, int blocks, Stream s, Args... args) {
-  RC_LAUNCH(kernel, blocks, kThreads, 0, s, args...);
+void launch(const char* op, Kernel kernel, int blocks, Stream s, const Env& env, Args... args) {
+  static const int per_sm = resident_blocks_per_sm(kernel, kThreads);
+  if (int64_t(blocks) > int64_t(per_sm) * env.sm_count) raise_not_resident(op, blocks, per_sm, env.sm_count);
+  RC_LAUNCH(kernel, blocks, kThreads, 0, s, env, args...);
 }
 
 // Widest vector (16, 8, 4, 2 or 1 bytes) that divides a row and aligns every pointer.

@@ -29,9 +29,9 @@
 namespace rdna4_comm {
 namespace gpu {
 
-// Generations. Ops of one communicator run in stream order: the host enqueues
-// them on one stream, so a kernel starts only after the previous op's kernel
-// has finished. Each kernel therefore reads its generation, counter + 1, at
+// Generations. A kernel of a communicator starts only after the one before it
+// has finished, on any stream (the host orders them: in_stream_order in
+// gpu_comm.cpp). Each kernel therefore reads its generation, counter + 1, at
 // start (op_generation), and its last block to finish stores it back
 // (finish_op), before the next kernel of the kind can read it. The host never
 // passes a generation, so a replayed graph keeps counting.
