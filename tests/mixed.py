@@ -103,22 +103,41 @@ def rmsnorm_inputs(op: Op, rank: int):
     return x, residual, rand(op.seed, 2000, (op.hidden,), op.weight_dtype) / 4
 
 
-def issue(comm, ops: list[Op], i: int, rank: int, device, dispatched: dict):
-    """Issue op ``i`` on this rank and return its results (tensors on
-    ``device``, nothing synchronised). ``dispatched`` holds the results of
-    the dispatches not combined yet, by op index."""
-    op, world = ops[i], comm.world_size
+def _inputs(op: Op, rank: int, world: int) -> tuple:
+    """Op ``op``'s inputs on ``rank``, on the CPU (combine takes its dispatch's results)."""
     if op.kind == "dispatch":
-        x, idx, w = (t.to(device) for t in ep_inputs(op.seed, rank, world, op.tokens[rank], _ep_cfg(world), op.routing))
-        d = dispatched[i] = comm.dispatch(x, idx, w)
+        return ep_inputs(op.seed, rank, world, op.tokens[rank], _ep_cfg(world), op.routing)
+    if op.kind == "all_reduce":
+        return (rand(op.seed, rank, (op.numel,), op.dtype),)
+    if op.kind == "all_reduce_rmsnorm":
+        return rmsnorm_inputs(op, rank)
+    return ()
+
+
+def stage(ops: list[Op], rank: int, world: int, device) -> list[tuple]:
+    """Every op's inputs on ``device``, copied before the stream starts: a
+    copy from pageable host memory waits for the device, a host sync the
+    stream must not have."""
+    staged = [tuple(None if t is None else t.to(device) for t in _inputs(op, rank, world)) for op in ops]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return staged
+
+
+def issue(comm, ops: list[Op], staged: list[tuple], i: int, rank: int, dispatched: dict):
+    """Issue op ``i`` on this rank with its ``staged`` inputs and return its
+    results (nothing synchronised). ``dispatched`` holds the results of the
+    dispatches not combined yet, by op index."""
+    op = ops[i]
+    if op.kind == "dispatch":
+        d = dispatched[i] = comm.dispatch(*staged[i])
         return d
     if op.kind == "combine":
         d = dispatched.pop(op.of)
         return comm.combine(expert_fn(d.x, rank, salt=op.of % 5), d.handle)
     if op.kind == "all_reduce":
-        return comm.all_reduce(rand(op.seed, rank, (op.numel,), op.dtype).to(device))
-    x, residual, weight = (None if t is None else t.to(device) for t in rmsnorm_inputs(op, rank))
-    return comm.all_reduce_rmsnorm(x, residual, weight, EPS)
+        return comm.all_reduce(*staged[i])
+    return comm.all_reduce_rmsnorm(*staged[i], EPS)
 
 
 def _tensors(op: Op, result) -> tuple:

@@ -43,6 +43,7 @@ def t_stream_until_killed(ctx, stamp_path):
     dist.barrier()
     comm = ctx.comm(**mixed.comm_kwargs(ctx.world), timeout_ms=short_timeout_ms(ctx.transport))
     ops = mixed.plan(OPS, ctx.world, SEED)
+    staged = mixed.stage(ops, ctx.rank, ctx.world, ctx.device)
     dispatched: dict = {}
     i = 0
     try:
@@ -54,7 +55,7 @@ def t_stream_until_killed(ctx, stamp_path):
                 with open(stamp_path, "w") as f:
                     f.write(repr(time.monotonic()))
                 os.kill(os.getpid(), signal.SIGKILL)
-            mixed.issue(comm, ops, i, ctx.rank, ctx.device, dispatched)
+            mixed.issue(comm, ops, staged, i, ctx.rank, dispatched)
         i = OPS
         comm.check()
     except RuntimeError as e:
@@ -73,8 +74,8 @@ def t_survivors_work(ctx, survivors):
     with rc.Communicator(group, transport=ctx.transport, timeout_ms=60_000,
                          **mixed.comm_kwargs(len(survivors))) as comm:
         assert comm.device == ctx.device, (comm.device, ctx.device)
-        rank = comm.rank
-        results = [mixed.issue(comm, ops, i, rank, ctx.device, dispatched) for i in range(len(ops))]
+        staged = mixed.stage(ops, comm.rank, len(survivors), ctx.device)
+        results = [mixed.issue(comm, ops, staged, i, comm.rank, dispatched) for i in range(len(ops))]
         comm.check()
         digests = mixed.rank_digests(ops, results)
     dist.destroy_process_group(group)
