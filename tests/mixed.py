@@ -187,8 +187,8 @@ def expected_digests(ops: list[Op], world: int) -> list[list[bytes]]:
     for i, op in enumerate(ops):
         if op.kind == "dispatch":
             xs, idxs, ws = zip(*(ep_inputs(op.seed, r, world, op.tokens[r], cfg, op.routing) for r in range(world)))
-            per_rank = dispatched[i] = reference.dispatch(list(xs), list(idxs), list(ws), num_experts=cfg["num_experts"],
-                                                          max_tokens_per_rank=CAP)
+            per_rank = dispatched[i] = reference.dispatch(
+                list(xs), list(idxs), list(ws), num_experts=cfg["num_experts"], max_tokens_per_rank=CAP)
         elif op.kind == "combine":
             d = dispatched.pop(op.of)
             per_rank = reference.combine([expert_fn(d[r].x, r, salt=op.of % 5) for r in range(world)], d)

@@ -7,7 +7,7 @@ import time
 
 import mixed
 import pytest
-from conftest import GPU_WORLDS, _selected
+from conftest import CPU_WORLDS, GPU_WORLDS
 
 SEED = 8
 
@@ -37,11 +37,11 @@ def soak(world, n):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _selected("cpu"), reason="cpu transport not selected")
+@pytest.mark.skipif(("cpu", 4) not in CPU_WORLDS, reason="cpu transport not selected")
 def test_soak_cpu_20000_ops_4_ranks(worlds):
     soak(worlds("cpu", 4), 20_000)
 
 
-@pytest.mark.skipif(not GPU_WORLDS, reason="no GPU world")
+@pytest.mark.skipif(("gpu", 2) not in GPU_WORLDS, reason="no GPU world of 2 ranks")
 def test_soak_gpu_5000_ops_2_ranks(worlds):
     soak(worlds("gpu", 2), 5_000)
