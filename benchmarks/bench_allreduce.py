@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """fp32 all_reduce: rdna4_comm against torch.distributed.all_reduce (NCCL/RCCL
-on GPUs, gloo on CPU processes) and, on GPUs where torch has it, torch's
-symmetric-memory one-shot all_reduce (torch.ops.symm_mem.one_shot_all_reduce).
+on GPUs, gloo on CPU processes), on CPU processes rdna4_comm's "dist"
+transport too ("rdna4_comm_dist": its collectives over gloo) and, on GPUs
+where torch has it, torch's symmetric-memory one-shot all_reduce
+(torch.ops.symm_mem.one_shot_all_reduce).
 
 Sweep: tokens {1, 8, 32, 128, 512, 2048} x hidden {2048, 4096, 8192}, plus
 4096 and 8192 tokens where the tensor stays within 64 MiB (the grid's largest
@@ -14,6 +16,7 @@ benchmarks/_common.py for the results file.
     python benchmarks/bench_allreduce.py --tokens 1 8 --hidden 8192 --out r.jsonl
 """
 import sys
+from contextlib import nullcontext
 
 import _common
 import torch
@@ -35,9 +38,12 @@ def worker(ctx, configs, rounds, samples) -> None:
     """One rank's sweep: a single communicator serves every size; per
     configuration, check and time every backend and emit the record."""
     symm = SymmMemOneShot.create(ctx, max(t * h for t, h in configs)) if ctx.transport == "gpu" else None
-    with Communicator(ctx.cpu_group, transport=ctx.transport) as comm:
+    # On CPU processes the "dist" transport (over gloo) is timed too: what a
+    # world without shared memory gets, next to the cpu transport and gloo.
+    with Communicator(ctx.cpu_group, transport=ctx.transport) as comm, \
+            (Communicator(ctx.cpu_group, transport="dist") if ctx.transport == "cpu" else nullcontext()) as dist_comm:
         for tokens, hidden in configs:
-            ops = allreduce_ops(ctx, comm, tokens, hidden, symm)
+            ops = allreduce_ops(ctx, comm, tokens, hidden, symm, dist_comm)
             stats = measure(ctx, ops, rounds=rounds, samples=samples)
             ctx.emit(record("all_reduce", tokens, hidden, torch.float32, ops, stats))
             if symm is not None and symm.backend not in stats:

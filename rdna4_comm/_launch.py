@@ -25,7 +25,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Collection, Mapping, Optional
 
 import torch
 
@@ -164,7 +164,7 @@ class ProcessWorld:
             self.kill()
 
     def call(self, fn: Callable, args_of: Mapping[int, tuple], *, timeout: Optional[float] = None,
-             on_message: Callable[[Any], None] = print) -> list:
+             on_message: Callable[[Any], None] = print, dies: Collection[int] = ()) -> list:
         """Run ``fn(state, *args_of[r])`` on each rank r of ``args_of`` (``fn``
         importable) and return the results in the order of ``args_of``.
 
@@ -173,6 +173,10 @@ class ProcessWorld:
         its traceback), died, or did not answer: within ``timeout`` seconds, or
         within :data:`FAILURE_GRACE_S` of another rank's failure. If any rank
         died or did not answer, the whole world is killed.
+
+        The ranks of ``dies`` are expected to die during the call (a fault
+        test's victims): their exit code is their result, and their death
+        leaves the others running.
         """
         for r, args in args_of.items():
             try:
@@ -191,7 +195,10 @@ class ProcessWorld:
                     kind, value = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
                     self.procs[r].join(1)
-                    kind, value, died = "error", f"died (exit code {self.procs[r].exitcode})", True
+                    if r in dies:
+                        kind, value = "done", self.procs[r].exitcode
+                    else:
+                        kind, value, died = "error", f"died (exit code {self.procs[r].exitcode})", True
                 if kind == "message":
                     on_message(value)
                     continue

@@ -2,6 +2,7 @@
 the demo use too live in rdna4_comm._bench.checks and are re-exported here."""
 from __future__ import annotations
 
+import glob
 import os
 
 import torch
@@ -9,6 +10,12 @@ import torch
 from rdna4_comm._bench.checks import assert_dispatched, rand  # noqa: F401  (re-exported to the tests)
 # Bitwise equality of dtype, shape and every byte: the benchmarks' check.
 from rdna4_comm._bench.checks import assert_same as assert_bitwise  # noqa: F401  (re-exported to the tests)
+
+
+def shm_segments(*pids: int) -> list[str]:
+    """This library's /dev/shm names created by the given processes (segment
+    names start with the creator's pid), so strays of other runs don't count."""
+    return [p for pid in pids for p in glob.glob(f"/dev/shm/rdna4_comm.{pid}.*")]
 
 
 def errors_of(cases: dict) -> dict:

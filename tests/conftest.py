@@ -33,6 +33,8 @@ CPU_WORLDS = ([("cpu", w) for w in (1, 2, 3, 4)] if _selected("cpu") else []) + 
     [("dist", w) for w in (2, 4)] if _selected("dist") else [])
 GPU_WORLDS = [("gpu", w) for w in gpu_world_sizes()] if _selected("gpu") else []
 ALL_WORLDS = CPU_WORLDS + GPU_WORLDS
+# Transports of the tests that kill a rank (each starts worlds of its own).
+KILL_TRANSPORTS = ["cpu", "dist"] + (["gpu"] if GPU_WORLDS else [])
 world_ids = [f"{t}{w}" for t, w in ALL_WORLDS]
 
 
@@ -61,6 +63,10 @@ def world(request, worlds) -> World:
 def world_small(request, worlds) -> World:
     """Every CPU world and the smallest GPU world (for the slower tests)."""
     return worlds(*request.param)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: minutes on the 2-core CI machine; CI deselects them (-m 'not slow')")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -93,8 +93,9 @@ class World(ProcessWorld):
         super().__init__(size, _setup, (transport, env_of_rank or {}))
         self.transport = transport
 
-    def run(self, fn, *args, per_rank=None, timeout: float = TASK_TIMEOUT_S, ranks=None):
-        """Run ``fn(ctx, *args, *per_rank[r])`` on every rank (or only ``ranks``)."""
+    def run(self, fn, *args, per_rank=None, timeout: float = TASK_TIMEOUT_S, ranks=None, dies=()):
+        """Run ``fn(ctx, *args, *per_rank[r])`` on every rank (or only ``ranks``);
+        the ranks of ``dies`` may die meanwhile (see ProcessWorld.call)."""
         ranks = range(self.size) if ranks is None else ranks
         return self.call(fn, {r: args + (tuple(per_rank[r]) if per_rank is not None else ()) for r in ranks},
-                         timeout=timeout)
+                         timeout=timeout, dies=dies)

@@ -32,7 +32,7 @@ def test_demo_checks_pass_and_prints_a_latency_table():
 
 
 @pytest.mark.parametrize("script, op, backends", [
-    ("bench_allreduce.py", "all_reduce", {"rdna4_comm", "gloo"}),
+    ("bench_allreduce.py", "all_reduce", {"rdna4_comm", "rdna4_comm_dist", "gloo"}),
     ("bench_ep.py", "dispatch+combine", {"rdna4_comm", "gloo"}),
     ("bench_fused.py", "all_reduce_rmsnorm", {"rdna4_comm", "rdna4_comm_unfused", "gloo"}),
 ])

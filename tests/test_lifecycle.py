@@ -2,26 +2,17 @@
 peers (an error within the timeout, never a hang), /dev/shm hygiene."""
 from __future__ import annotations
 
-import glob
 import os
 import time
 
 import pytest
 import torch
-from common import assert_bitwise, rand, short_timeout_ms
-from conftest import GPU_WORLDS
+from common import assert_bitwise, rand, short_timeout_ms, shm_segments
+from conftest import KILL_TRANSPORTS
 from harness import World
 
 import rdna4_comm as rc
 from rdna4_comm import reference
-
-
-
-
-def shm_segments(*pids: int) -> list[str]:
-    """This library's /dev/shm names created by the given processes (segment
-    names start with the creator's pid), so strays of other runs don't count."""
-    return [p for pid in pids for p in glob.glob(f"/dev/shm/rdna4_comm.{pid}.*")]
 
 
 def t_lifecycle(ctx):
@@ -131,9 +122,6 @@ def t_call_dead_peer(ctx):
         return None, time.monotonic() - start
     except RuntimeError as e:
         return str(e), time.monotonic() - start
-
-
-KILL_TRANSPORTS = ["cpu", "dist"] + (["gpu"] if GPU_WORLDS else [])
 
 
 @pytest.mark.parametrize("transport", KILL_TRANSPORTS)

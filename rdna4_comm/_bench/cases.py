@@ -66,20 +66,26 @@ def allreduce_case(rank: int, world: int, tokens: int, hidden: int, device) -> t
     return x, check
 
 
-def rdna4_allreduce_op(comm: Communicator, x: torch.Tensor, check: Callable) -> Op:
-    """rdna4_comm's all_reduce of ``x`` (out of place), checked by ``check``."""
-    return Op("rdna4_comm", lambda: comm.all_reduce(x), check, detail="rdna4_comm.all_reduce, out of place")
+def rdna4_allreduce_op(comm: Communicator, x: torch.Tensor, check: Callable, backend: str = "rdna4_comm") -> Op:
+    """rdna4_comm's all_reduce of ``x`` (out of place), checked by ``check``,
+    timed as ``backend``."""
+    return Op(backend, lambda: comm.all_reduce(x), check,
+              detail=f"rdna4_comm.all_reduce, out of place, transport {comm.transport!r}")
 
 
 def allreduce_ops(ctx: BenchRank, comm: Communicator, tokens: int, hidden: int,
-                  symm: Optional["SymmMemOneShot"] = None) -> list[Op]:
+                  symm: Optional["SymmMemOneShot"] = None, dist_comm: Optional[Communicator] = None) -> list[Op]:
     """fp32 sum of a [tokens, hidden] tensor over the ranks: rdna4_comm
     (out of place: copies the input in, returns a new tensor) against
-    torch.distributed.all_reduce (in place: no copy) and, if given, torch's
-    symmetric-memory one-shot all_reduce (reading a buffer that already holds
-    the input: no copy). The baselines get their cheapest form."""
+    torch.distributed.all_reduce (in place: no copy), if given rdna4_comm
+    over its "dist" transport (``dist_comm``, as "rdna4_comm_dist") and, if
+    given, torch's symmetric-memory one-shot all_reduce (reading a buffer
+    that already holds the input: no copy). The baselines get their
+    cheapest form."""
     x, check = allreduce_case(ctx.rank, ctx.world, tokens, hidden, ctx.device)
     ops = [rdna4_allreduce_op(comm, x, check)]
+    if dist_comm is not None:
+        ops.append(rdna4_allreduce_op(dist_comm, x, check, "rdna4_comm_dist"))
     inplace = torch.empty_like(x)
 
     def torch_all_reduce():
