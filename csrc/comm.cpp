@@ -146,6 +146,39 @@ std::string Comm::timeout_message(int op, int peer, uint64_t gen) const {
   return s.str();
 }
 
+std::string Comm::bad_handle_message(int field, int64_t index, int64_t value, const std::string& expected) {
+  std::ostringstream s;
+  s << "combine: " << handle_field_name(field) << "[" << index << "] = " << value
+    << " is out of range: expected " << expected
+    << ". The handle is not the Dispatched.handle of this communicator's matching dispatch";
+  return s.str();
+}
+
+std::string Comm::device_bad_handle_message(uint64_t word) const {
+  const int field = bad_handle_field(word);
+  const int64_t index = bad_handle_index(word), cap = cfg_.cap;
+  std::ostringstream expected;
+  switch (field) {
+    case kHandleRecvSrc:
+      expected << "-1 past the received rows (handle.counts.sum()), and below them s * " << cap
+               << " + t for a row of source rank s, t below its token count (handle.src_tokens[s])";
+      break;
+    case kHandleCounts: expected << "a row count in [0, " << cap << "] (max_tokens_per_rank)"; break;
+    case kHandleSrcTokens:
+      expected << "a token count in [0, " << cap << "] (max_tokens_per_rank)";
+      if (index == cfg_.rank) expected << ", for this rank the length of handle.send_mask";
+      break;
+    default:
+      expected << "a set of ranks below the world size " << cfg_.world << ", in [0, "
+               << ((int64_t(1) << cfg_.world) - 1) << "]";
+  }
+  std::ostringstream s;
+  s << "rdna4_comm: " << bad_handle_message(field, index, bad_handle_value(word), expected.str())
+    << " (found by the combine kernel on rank " << cfg_.rank << " of communicator '" << cfg_.id
+    << "', which stored nothing out of bounds). The communicator is unusable now: close it and create a new one.";
+  return s.str();
+}
+
 at::Tensor Comm::all_reduce(const at::Tensor& x) {
   check();
   static const char* op = "all_reduce";

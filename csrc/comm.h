@@ -136,6 +136,11 @@ class Comm {
                             at::Tensor& out) = 0;
 
   std::string timeout_message(int op, int peer, uint64_t gen) const;
+  // "combine: handle.<field>[index] = value is out of range: expected ...".
+  static std::string bad_handle_message(int field, int64_t index, int64_t value, const std::string& expected);
+  // What a combine kernel found (encode_bad_handle), for check(): the
+  // expectation from the communicator's sizes, which is all the host knows.
+  std::string device_bad_handle_message(uint64_t word) const;
   // The rank of a watched peer whose process has exited, or -1.
   int exited_peer() const;
   std::string exit_message(int peer) const;

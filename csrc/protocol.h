@@ -102,6 +102,8 @@ RC_HD int64_t ep_num_chunks(int64_t ntok) {
 // which bounds a chunk, hence the tokens per rank, on the GPU transport.
 constexpr int64_t kMaxGpuChunkTokens = 2048;
 constexpr int64_t kMaxGpuTokensPerRank = kEpTargetChunks * kMaxGpuChunkTokens;
+// A peer expects at most this many combine chunks from a rank (its T <= cap).
+RC_HD int64_t ep_max_chunks(int64_t cap) { return cap < kEpTargetChunks ? (cap < 1 ? 1 : cap) : kEpTargetChunks; }
 
 // all_reduce algorithm predicate. One-shot: every rank pushes its whole
 // input to every peer and sums locally (one barrier, (W-1)*N bytes out per
@@ -171,6 +173,27 @@ constexpr int kOpPeerExited = 0x7f;
 RC_HD int timeout_op(uint64_t word) { return int((word >> 56) & 0x7f); }
 RC_HD int timeout_peer(uint64_t word) { return int((word >> 48) & 0xff); }
 RC_HD uint64_t timeout_gen(uint64_t word) { return word & 0xffffffffffffull; }
+
+// Dispatch handles are user input. A combine kernel that finds a value out
+// of range leaves this word, with this op: the handle field in bits 54..55,
+// the element's index in bits 32..53 (W * cap < 2^22 on the GPU), the value
+// below. The host names the field, the index and the value.
+constexpr int kOpBadHandle = 0x7e;
+enum HandleField : int { kHandleRecvSrc = 0, kHandleCounts = 1, kHandleSrcTokens = 2, kHandleSendMask = 3 };
+RC_HD const char* handle_field_name(int field) {
+  return field == kHandleRecvSrc     ? "handle.recv_src"
+         : field == kHandleCounts    ? "handle.counts"
+         : field == kHandleSrcTokens ? "handle.src_tokens"
+                                     : "handle.send_mask";
+}
+RC_HD uint64_t encode_bad_handle(int field, int64_t index, int32_t value) {
+  return (uint64_t(1) << 63) | (uint64_t(kOpBadHandle) << 56) | (uint64_t(field & 3) << 54) |
+         (uint64_t(index & 0x3fffff) << 32) | uint64_t(uint32_t(value));
+}
+RC_HD int bad_handle_field(uint64_t word) { return int((word >> 54) & 3); }
+RC_HD int64_t bad_handle_index(uint64_t word) { return int64_t((word >> 32) & 0x3fffff); }
+RC_HD int32_t bad_handle_value(uint64_t word) { return int32_t(uint32_t(word & 0xffffffffull)); }
+static_assert(kMaxGpuWorld * kMaxGpuTokensPerRank <= (int64_t(1) << 22), "a recv_src index fits its 22 bits");
 
 // GPU launch policy. All blocks of a launch must be resident at once: a
 // block spins on flags that other blocks publish, of this launch or of a

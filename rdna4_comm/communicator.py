@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import socket
 import warnings
@@ -546,6 +547,13 @@ class Communicator:
         if handle.comm_id != self.id:
             raise ValueError(
                 f"combine: handle comes from communicator {handle.comm_id!r}, not from this one ({self.id!r})"
+            )
+        # Sizes only (no device read, no guard under torch.compile); the C++ op
+        # checks every other field (docs/semantics.md, "Bad handles").
+        if not torch.compiler.is_compiling() and math.prod(handle.token_shape) != handle.send_mask.shape[0]:
+            raise ValueError(
+                f"combine: handle.token_shape {tuple(handle.token_shape)} holds {math.prod(handle.token_shape)} "
+                f"tokens but handle.send_mask has {handle.send_mask.shape[0]}: the fields come from different dispatches"
             )
         out = torch.ops.rdna4_comm.combine(
             y, handle.recv_src, handle.counts, handle.src_tokens, handle.send_mask, self._order, self.id

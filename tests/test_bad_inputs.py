@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -115,6 +116,8 @@ CASES = {
                             "handle must be a DispatchHandle (Dispatched.handle), got tuple"),
     "combine.handle_foreign": (lambda e: lambda: e.comm.combine(e.y, e.foreign.handle), "ValueError",
                                "handle comes from communicator"),
+    "combine.handle_token_shape": (lambda e: lambda: e.comm.combine(e.y, e.d.handle._replace(
+        token_shape=(2, 3))), "ValueError", "handle.token_shape (2, 3) holds 6 tokens but handle.send_mask has 4"),
     "combine.handle_field_dtype": (lambda e: lambda: e.comm.combine(e.y, e.d.handle._replace(
         counts=e.d.handle.counts.long())), "TypeError", "handle.counts must be torch.int32, got torch.int64"),
     # all_reduce
@@ -243,6 +246,136 @@ def test_every_catalogue_case_is_documented_and_every_documented_case_is_tested(
     for name, (_, kind, _) in CASES.items():
         assert documented[name][0] == kind, (name, documented[name])
     assert len(CASES) >= 30
+
+
+# ------------------------------------------------------- bad handle values
+#
+# Handles are user input: combine checks the values of every field (on the
+# GPU, the kernel does). Rank BAD_RANK passes a bad handle, its peers the
+# right one. On the CPU transport the bad rank gets a ValueError before any
+# protocol step and repeats the call with the right handle; on the GPU its
+# kernel stores nothing out of bounds, still publishes its flags (the peers
+# complete), and check() raises RuntimeError; that communicator is unusable
+# and a new one works (docs/semantics.md, "Bad handles").
+
+BAD_RANK = 0
+
+
+def with_value(t, i, v):
+    t = t.clone()
+    t[i] = v
+    return t
+
+
+def last_row(h):
+    """(row, its source rank) of the last received row."""
+    j = int(h.counts.sum()) - 1
+    return j, int(torch.searchsorted(h.counts.cumsum(0), j, right=True))
+
+
+# id -> (forged handle built from e, message fragment), "{...}" filled from e.
+HANDLE_CASES = {
+    "handle.recv_src": (lambda e: e.h._replace(recv_src=with_value(e.h.recv_src, e.j, e.past_source)),
+                        "combine: handle.recv_src[{j}] = {past_source} is out of range: expected"),
+    "handle.recv_src_padding": (lambda e: e.h._replace(recv_src=with_value(e.h.recv_src, e.W * CAP - 1, 0)),
+                                "combine: handle.recv_src[{last}] = 0 is out of range: expected -1"),
+    "handle.counts": (lambda e: e.h._replace(counts=with_value(e.h.counts, 0, CAP + 1)),
+                      "combine: handle.counts[0] = 7 is out of range: expected a row count in [0, 6]"),
+    "handle.counts_negative": (lambda e: e.h._replace(counts=with_value(e.h.counts, e.peer, -1)),
+                               "combine: handle.counts[{peer}] = -1 is out of range"),
+    "handle.src_tokens": (lambda e: e.h._replace(src_tokens=with_value(e.h.src_tokens, e.peer, CAP + 1)),
+                          "combine: handle.src_tokens[{peer}] = 7 is out of range: expected a token count in [0, 6]"),
+    "handle.send_mask": (lambda e: e.h._replace(send_mask=with_value(e.h.send_mask, 0, e.beyond_world)),
+                         "combine: handle.send_mask[0] = {beyond_world} is out of range: expected a set of ranks "
+                         "below the world size {W}"),
+    "handle.wrong_dispatch": (lambda e: e.h._replace(send_mask=e.d2.handle.send_mask,
+                                                     token_shape=e.d2.handle.token_shape),
+                              "combine: handle.src_tokens[{rank}] = 4 is out of range: expected"),
+    "handle.larger_capacity": (lambda e: e.foreign.handle._replace(
+        comm_id=e.comm.id, recv_src=e.foreign.handle.recv_src[:e.W * CAP].contiguous(),
+        send_mask=e.foreign.handle.send_mask[:CAP].contiguous(), token_shape=(CAP,)),
+        "is out of range: expected"),
+}
+
+
+def t_bad_handle(ctx, case):
+    W, dev, gpu = ctx.world, ctx.device, ctx.transport == "gpu"
+    # A failed GPU combine leaves its communicator unusable: each case gets a new one there.
+    new_comm = functools.partial(rc.Communicator, **ep_cfg(W), transport=ctx.transport)
+    comm = new_comm() if gpu else ctx.comm(**ep_cfg(W))
+    x, idx, w = (t.to(dev) for t in ep_inputs(1, ctx.rank, W, 4, ref_cfg(W), "random"))
+    d = comm.dispatch(x, idx, w)
+    d2 = comm.dispatch(x[:2], idx[:2], w[:2])
+    other = foreign = None
+    if case == "handle.larger_capacity":
+        # Another communicator with a larger capacity, given more tokens than this one holds.
+        other = rc.Communicator(**dict(ep_cfg(W), max_tokens_per_rank=CAP + 3), transport=ctx.transport)
+        xf, idxf, wf = (t.to(dev) for t in ep_inputs(2, ctx.rank, W, CAP + 3, ref_cfg(W), "random"))
+        foreign = other.dispatch(xf, idxf, wf)
+    y = expert_fn(d.x, ctx.rank)
+    j, s = last_row(d.handle)
+    e = SimpleNamespace(W=W, rank=ctx.rank, peer=(ctx.rank + 1) % W, h=d.handle, d2=d2, comm=comm, foreign=foreign,
+                        j=j, past_source=s * CAP + int(d.handle.src_tokens[s]), last=W * CAP - 1,
+                        beyond_world=int(d.handle.send_mask[0]) | (1 << W))
+    handle = HANDLE_CASES[case][0](e) if ctx.rank == BAD_RANK else d.handle
+    inputs = [t.clone() for t in (y, *handle[:4])]
+    guard = torch.full((W * CAP + 1, H), 3.0, dtype=torch.bfloat16, device=dev)  # allocated just before the output
+    error, out = None, None
+    start = time.monotonic()
+    try:
+        out = comm.combine(y, handle)
+        comm.check()
+    except (ValueError, RuntimeError) as exc:
+        error = (type(exc).__name__, str(exc))
+        if not gpu:  # rejected before any protocol step: the peers wait for the repeated call
+            out = comm.combine(y, d.handle)
+    elapsed = time.monotonic() - start
+    untouched = all(torch.equal(a, b) for a, b in zip(inputs, (y, *handle[:4]))) and bool((guard == 3.0).all())
+    fields = {k: getattr(e, k) for k in ("W", "rank", "peer", "j", "past_source", "last", "beyond_world")}
+    if other is not None:
+        other.close()
+    if gpu:  # the peers complete; a new communicator works
+        ctx.sync()
+        comm.close()
+        comm = new_comm()
+    d3 = comm.dispatch(x, idx, w)
+    after = comm.combine(y, d3.handle)
+    ctx.sync()
+    if gpu:
+        comm.close()
+    return error, None if gpu else out, after, untouched, elapsed, fields
+
+
+@pytest.mark.parametrize("case", sorted(HANDLE_CASES))
+@pytest.mark.parametrize("transport,size", WORLDS, ids=[f"{t}{w}" for t, w in WORLDS])
+def test_bad_handle_values_raise_and_write_nothing_out_of_bounds(worlds, transport, size, case):
+    results = worlds(transport, size).run(t_bad_handle, case)
+    _, ref = ep_reference(size)
+    kind = "RuntimeError" if transport == "gpu" else "ValueError"
+    documented = documented_handle_cases()
+    for r, (error, out, after, untouched, elapsed, fields) in enumerate(results):
+        if r == BAD_RANK:
+            text = HANDLE_CASES[case][1].format(**fields)
+            assert error is not None and error[0] == kind and text in error[1], (case, error, text)
+            if transport == "cpu" and size == 2:  # the documented examples are for this world
+                assert all(p in error[1] for p in documented[case].split("...")), (error[1], documented[case])
+        else:
+            assert error is None, (r, error)
+        assert untouched, f"rank {r}: combine modified its inputs or a neighbouring tensor"
+        assert elapsed < 60, f"rank {r}: took {elapsed:.1f} s"
+        if out is not None:  # CPU: every rank's (repeated) combine is exact
+            assert_bitwise(out, ref[r], f"rank {r}: combine after the rejected handle")
+        assert_bitwise(after, ref[r], f"rank {r}: the next combine")
+
+
+def documented_handle_cases() -> dict[str, str]:
+    """The rows of docs/semantics.md's table of bad handles: case id -> message contains."""
+    section = DOC.read_text().split("### Bad handles", 1)[1].split("\n### ", 1)[0]
+    return dict(re.findall(r"^\| `(handle\.[a-z_]+)` \| .*? \| `(.*)` \|$", section, re.M))
+
+
+def test_every_bad_handle_case_is_documented():
+    assert sorted(documented_handle_cases()) == sorted(HANDLE_CASES)
 
 
 def t_gpu_token_cap(ctx):

@@ -354,18 +354,7 @@ class CpuComm final : public Comm {
     const int32_t* ntok = src_tokens.data_ptr<int32_t>();
     const int32_t* mask = send_mask.data_ptr<int32_t>();
     const char* yp = static_cast<const char*>(y.data_ptr());
-    // A handle is trusted data, but a forged one must not write out of bounds.
-    for (int s = 0; s < W; ++s)
-      TORCH_CHECK_VALUE(cnt[s] >= 0 && cnt[s] <= cap && ntok[s] >= 0 && ntok[s] <= cap,
-                        "combine: handle.counts/src_tokens hold values outside [0, ", cap,
-                        "]: the handle is not from this communicator's dispatch");
-    TORCH_CHECK_VALUE(ntok[me] == T, "combine: handle.send_mask has ", T, " tokens but handle.src_tokens says ",
-                      ntok[me], ": the handle is not from this communicator's dispatch");
-    for (int s = 0, j = 0; s < W; ++s)
-      for (int32_t k = 0; k < cnt[s]; ++k, ++j)
-        TORCH_CHECK_VALUE(src[j] >= s * cap && src[j] < s * cap + ntok[s], "combine: handle.recv_src[", j,
-                          "] = ", src[j], " is not a token of source rank ", s, " (expected [", s * cap, ", ",
-                          s * cap + ntok[s], "))");
+    check_handle(src, cnt, ntok, mask, T);
     const uint64_t gen = op_generation(kOpCombine);
     std::vector<int64_t> offset(W + 1, 0);
     for (int s = 0; s < W; ++s) offset[s + 1] = offset[s] + cnt[s];
@@ -410,6 +399,48 @@ class CpuComm final : public Comm {
   }
 
  private:
+  // The handle is user input: every value that picks a row, a chunk or a
+  // rank is checked before the first protocol step, so a bad one raises a
+  // ValueError and the communicator stays usable. (The GPU kernel checks the
+  // same values: combine.cu.)
+  void check_handle(const int32_t* recv_src, const int32_t* counts, const int32_t* src_tokens,
+                    const int32_t* send_mask, int64_t T) const {
+    const int W = cfg_.world, me = cfg_.rank;
+    const int64_t cap = cfg_.cap;
+    auto fail = [](int field, int64_t index, int64_t value, const std::string& expected) {
+      TORCH_CHECK_VALUE(false, bad_handle_message(field, index, value, expected));
+    };
+    for (int s = 0; s < W; ++s) {
+      if (counts[s] < 0 || counts[s] > cap)
+        fail(kHandleCounts, s, counts[s], "a row count in [0, " + std::to_string(cap) + "] (max_tokens_per_rank)");
+      if (src_tokens[s] < 0 || src_tokens[s] > cap)
+        fail(kHandleSrcTokens, s, src_tokens[s],
+             "a token count in [0, " + std::to_string(cap) + "] (max_tokens_per_rank)");
+    }
+    if (src_tokens[me] != T)
+      fail(kHandleSrcTokens, me, src_tokens[me],
+           std::to_string(T) + ", this rank's token count (the length of handle.send_mask)");
+    const uint32_t ranks = uint32_t((uint64_t(1) << W) - 1);
+    for (int64_t t = 0; t < T; ++t)
+      if (uint32_t(send_mask[t]) & ~ranks)
+        fail(kHandleSendMask, t, send_mask[t],
+             "a set of ranks below the world size " + std::to_string(W) + ", in [0, " + std::to_string(ranks) + "]");
+    int64_t j = 0;
+    for (int s = 0; s < W; ++s) {
+      const int64_t first = s * cap, end = first + src_tokens[s];
+      for (int32_t k = 0; k < counts[s]; ++k, ++j)
+        if (recv_src[j] < first || recv_src[j] >= end)
+          fail(kHandleRecvSrc, j, recv_src[j],
+               "a row of source rank " + std::to_string(s) + ", " + std::to_string(s) + " * " + std::to_string(cap) +
+                   " + t with t below " + std::to_string(src_tokens[s]) + " (the source rank " + std::to_string(s) +
+                   "'s token count): in [" + std::to_string(first) + ", " + std::to_string(end) + ")");
+    }
+    for (const int64_t received = j; j < int64_t(W) * cap; ++j)
+      if (recv_src[j] != -1)
+        fail(kHandleRecvSrc, j, recv_src[j],
+             "-1, a padding row (handle.counts sums to " + std::to_string(received) + " rows)");
+  }
+
   // One round of the all_reduce protocol over a chunk cut into shares `sh`
   // (elements of st), for all_reduce and all_reduce_rmsnorm alike (one
   // generation sequence, protocol.h at kAllReduceSequence). For each piece b

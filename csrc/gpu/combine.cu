@@ -28,6 +28,52 @@ RC_DEVICE int32_t lower_bound_token(const int32_t* recv_src, int32_t lo, int32_t
   return lo;
 }
 
+// The handle is user input. Its counts pick rows, chunks and flag slots,
+// so every block checks them first (all blocks reach the same verdict); a
+// bad one is recorded and the kernel then only publishes its flags (below).
+RC_DEVICE bool handle_counts_ok(const Env& env, const CombineArgs& a) {
+  const int s = threadIdx.x;
+  const int64_t cap = env.layout.cap;
+  bool ok = true;
+  if (s < env.world) {
+    const int32_t n = a.counts[s], t = a.src_tokens[s];
+    if (n < 0 || n > cap) {
+      ok = false;
+      if (blockIdx.x == 0) record_error(env, encode_bad_handle(kHandleCounts, s, n));
+    } else if (t < 0 || t > cap || (s == env.rank && t != a.ntok)) {
+      ok = false;
+      if (blockIdx.x == 0) record_error(env, encode_bad_handle(kHandleSrcTokens, s, t));
+    }
+  }
+  return block_all(ok);
+}
+
+// Token of source s that row j of y answers, or -1 when the handle's value
+// is not one (a bad value is skipped where it would pick a store, and
+// recorded by check_handle_rows).
+RC_DEVICE int64_t row_token(const CombineArgs& a, const Sources& src, int64_t cap, int s, int64_t j) {
+  const int64_t t = a.recv_src[j] - int64_t(s) * cap;
+  return t >= 0 && t < src.ntok[s] ? t : -1;
+}
+
+// With valid counts: the grid checks every row of recv_src (a source's token
+// below the received rows, -1 past them) and every send_mask bit (ranks of
+// the world only), each thread a strided share.
+RC_DEVICE void check_handle_rows(const Env& env, const CombineArgs& a, const Sources& src) {
+  const int W = env.world;
+  const int64_t cap = env.layout.cap, stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t j = first; j < int64_t(W) * cap; j += stride) {
+    int s = 0;
+    while (s < W && j >= src.offset[s + 1]) ++s;
+    if (s < W ? row_token(a, src, cap, s, j) < 0 : a.recv_src[j] != -1)
+      record_error(env, encode_bad_handle(kHandleRecvSrc, j, a.recv_src[j]));
+  }
+  for (int64_t t = first; t < a.ntok; t += stride)
+    if (uint32_t(a.send_mask[t]) & ~all_ranks(env))
+      record_error(env, encode_bad_handle(kHandleSendMask, t, a.send_mask[t]));
+}
+
 // Rows [lo, hi) of y that came from source s's chunk c: dispatch lays each
 // source's rows out in token order.
 RC_DEVICE void chunk_rows(const CombineArgs& a, const Sources& src, int64_t cap, int s, int64_t c, int32_t* lo,
@@ -67,9 +113,12 @@ RC_DEVICE void combine_sender(const Env& env, const CombineArgs& a, CombineShare
       const int s = sh.item_src[g];
       if (s < 0) continue;
       const int64_t lo = sh.item_lo[g];
-      block_copy_each_row(
-          sh.item_hi[g] - lo, payload, vec, [&](uint32_t r) { return y + (lo + r) * payload; },
-          [&](uint32_t r) { return L.combine_row(env.data[s], gen, me, a.recv_src[lo + r] - int64_t(s) * cap); });
+      with_vector(vec, [&](auto tag) {
+        block_copy_rows<typename decltype(tag)::type>(
+            sh.item_hi[g] - lo, payload / vec, [&](uint32_t r) { return y + (lo + r) * payload; },
+            [&](uint32_t r) { return uint32_t(row_token(a, sh.src, cap, s, lo + r) >= 0); },
+            [&](uint32_t r, int) { return L.combine_row(env.data[s], gen, me, row_token(a, sh.src, cap, s, lo + r)); });
+      });
     }
     block_sync();
     if (tid < G && sh.item_src[tid] >= 0)
@@ -126,7 +175,7 @@ RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineSha
         block_sum<D, V>(uint32_t((t1 - t0) * n), [&](uint32_t i, ConstRankPtrs& src, V*& dst, uint32_t& v) {
           const uint32_t row = i / n;
           const int64_t t = t0 + row;
-          const uint32_t m = uint32_t(a.send_mask[t]);
+          const uint32_t m = uint32_t(a.send_mask[t]) & all_ranks(env);  // other bits: check_handle_rows
 #pragma unroll
           for (int rr = 0; rr < kMaxGpuWorld; ++rr)
             if (m >> rr & 1u) src.p[rr] = rr == me ? y + own[row] * payload : L.combine_row(env.data[me], gen, rr, t);
@@ -147,9 +196,20 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs 
     *ntok = a.src_tokens[s];
     *nrows = a.counts[s];
   });
+  const bool counts_ok = handle_counts_ok(env, a);
+  if (counts_ok) {
+    check_handle_rows(env, a, sh.src);
+  } else {
+    // Peers still wait for this rank's flags: the senders publish every chunk
+    // a peer can expect (its T <= cap) with no rows, and no receiver runs.
+    load_sources(env, sh.src, [&](int, int64_t* ntok, int64_t* nrows) {
+      *ntok = ep_max_chunks(env.layout.cap);
+      *nrows = 0;
+    });
+  }
   if (int(blockIdx.x) < send_blocks) {
     combine_sender(env, a, sh, gen, blockIdx.x, send_blocks, vec);
-  } else {
+  } else if (counts_ok) {
     with_dtype(a.dtype, [&](auto d) {
       combine_receiver<decltype(d)::value>(env, a, sh, gen, blockIdx.x - send_blocks, gridDim.x - send_blocks, vec);
     });

@@ -179,6 +179,7 @@ class GpuComm final : public Comm {
     const uint64_t word = __atomic_load_n(error_host_, __ATOMIC_ACQUIRE);
     if (word == 0) return;
     TORCH_CHECK(timeout_op(word) != kOpPeerExited, exit_message(timeout_peer(word)));
+    TORCH_CHECK(timeout_op(word) != kOpBadHandle, device_bad_handle_message(word));
     TORCH_CHECK(false, timeout_message(timeout_op(word), timeout_peer(word), timeout_gen(word)));
   }
 

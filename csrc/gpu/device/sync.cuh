@@ -56,9 +56,10 @@ RC_DEVICE void finish_op(const Env& env, int op, uint64_t gen) {
   }
 }
 
-// The first thread to give up on a peer leaves one word for the host.
-RC_DEVICE void record_timeout(const Env& env, int op, int peer, uint64_t gen) {
-  if (load_relaxed_sys(env.error) == 0) store_release_sys(env.error, encode_timeout(op, peer, gen));
+// The first thread to fail leaves one word for the host: a timeout
+// (encode_timeout) or a bad handle value (encode_bad_handle).
+RC_DEVICE void record_error(const Env& env, uint64_t word) {
+  if (load_relaxed_sys(env.error) == 0) store_release_sys(env.error, word);
 }
 
 // Bounded wait of one thread for `*flag >= gen` (why `>=`: protocol.h, at
@@ -73,7 +74,7 @@ RC_DEVICE bool wait_flag(const Env& env, const uint64_t* flag, uint64_t gen, int
     if ((spin & 127) == 0) {
       if (load_relaxed_sys(env.error) != 0) return false;
       if (timer_ticks() - start > env.timeout_ticks) {
-        record_timeout(env, op, peer, gen);
+        record_error(env, encode_timeout(op, peer, gen));
         return false;
       }
     }
