@@ -128,8 +128,9 @@ def main(argv=None) -> int:
     with ProcessWorld(W, Rank) as world:
         per_rank = world.call(every_op, {r: (args.plant_oob,) for r in range(W)})
     check(per_rank)
-    print(f"sanitize_ops: every op checked on {W} ranks (eager and 2 graph replays), fused two-stage at "
-          f"T = {per_rank[0][2]}" + (", planted out-of-bounds store made by rank 1" if args.plant_oob else ""))
+    print(f"sanitize_ops: every op checked on {W} ranks (eager and 2 graph replays), the fused op one_stage "
+          f"and all_reduce_then_norm (H = {per_rank[0][2]})"
+          + (", planted out-of-bounds store made by rank 1" if args.plant_oob else ""))
     return 0
 
 

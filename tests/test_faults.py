@@ -18,9 +18,6 @@ from harness import World
 import rdna4_comm as rc
 
 OPS = 1000
-# The victim kills itself when it is about to issue this op, between a
-# dispatch and its combine (plan(OPS, ..., SEED) has dispatches open there).
-DIE_AT = 617
 SEED = 14
 # Rank 0 hosts the store that the survivors' new group meets through.
 VICTIM = 1
@@ -36,8 +33,15 @@ def world_size(transport: str) -> int:
     return max(w for _, w in GPU_WORLDS) if transport == "gpu" else 3
 
 
+def kill_point(ops) -> int:
+    """The op the victim is about to issue when it kills itself: the first
+    from the stream's 60% mark on at which a dispatch is open (its combine
+    comes later), so the survivors are between a dispatch and its combine."""
+    return next(i for i in range(OPS * 6 // 10, OPS) if any(op.kind == "combine" and op.of < i for op in ops[i:]))
+
+
 def t_stream_until_killed(ctx, stamp_path):
-    """Run the stream; the victim SIGKILLs itself at op DIE_AT, having
+    """Run the stream; the victim SIGKILLs itself at kill_point(ops), having
     written the time of its death (CLOCK_MONOTONIC: one clock for every
     process of the host) to ``stamp_path``. A survivor returns the op at
     which it raised (OPS: at the check after the last op), its message and
@@ -49,13 +53,14 @@ def t_stream_until_killed(ctx, stamp_path):
     comm = ctx.comm(**mixed.comm_kwargs(ctx.world), timeout_ms=TIMEOUT_MS)
     ops = mixed.plan(OPS, ctx.world, SEED)
     staged = mixed.stage(ops, ctx.rank, ctx.world, ctx.device)
+    die_at = kill_point(ops)
     dispatched: dict = {}
     i = 0
     try:
         for i in range(OPS):
-            if ctx.rank == VICTIM and i == DIE_AT:
+            if ctx.rank == VICTIM and i == die_at:
                 # Its ops so far have run everywhere (GPU: the kernels too), so
-                # the survivors are at op DIE_AT when it dies.
+                # the survivors are at op die_at when it dies.
                 ctx.sync()
                 with open(stamp_path, "w") as f:
                     f.write(repr(time.monotonic()))
@@ -91,7 +96,7 @@ def t_survivors_work(ctx, survivors):
 def test_a_rank_killed_mid_stream_makes_the_survivors_raise_in_time(transport, tmp_path):
     W = world_size(transport)
     ops = mixed.plan(OPS, W, SEED)
-    assert any(op.kind == "combine" and op.of < DIE_AT for op in ops[DIE_AT:]), "no dispatch open at the kill"
+    die_at = kill_point(ops)
     survivors = [r for r in range(W) if r != VICTIM]
     stamp = tmp_path / "killed_at"
     world = World(W, transport)
@@ -112,13 +117,13 @@ def test_a_rank_killed_mid_stream_makes_the_survivors_raise_in_time(transport, t
             assert gone in message and ("exited" in message or transport == "dist"), message
             if transport == "gpu":
                 # The host queued ops ahead; the error surfaces at a later call or the check.
-                assert DIE_AT <= at_op <= OPS, (r, at_op, message)
+                assert die_at <= at_op <= OPS, (r, at_op, message)
             elif transport == "cpu":
                 # A CPU op returns when done: the survivors wait in the victim's op.
-                assert at_op == DIE_AT, (r, at_op, message)
+                assert at_op == die_at, (r, at_op, message)
             else:
                 # dist: or in the op before, when the closed connection drops data in flight.
-                assert DIE_AT - 1 <= at_op <= DIE_AT, (r, at_op, message)
+                assert die_at - 1 <= at_op <= die_at, (r, at_op, message)
         print(f"\n{transport}{W}: kill to error per survivor (s): "
               + ", ".join(f"rank {r}: {t:.3f}" for r, t in kill_to_error.items()))
         assert all(0 <= t < bound_s for t in kill_to_error.values()), (kill_to_error, bound_s)
