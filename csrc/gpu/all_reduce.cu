@@ -31,10 +31,7 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Env env, AllReduce
     block_copy(L.ar_slot(env.data[p], gen, me) + e0 * elt, in + (share.begin(p) + e0) * elt, (e1 - e0) * elt,
                vector_bytes(e1 - e0));
   }
-  block_sync();
-  block_signal_ranks(env, gen, peer_ranks(env), [&](int r) { return L.ar_flag(env.sig[r], gen, 0, me, b); });
-  bool ok = block_wait_ranks(env, gen, kOpAllReduce, peer_ranks(env),
-                             [&](int r) { return L.ar_flag(env.sig[me], gen, 0, r, b); });
+  bool ok = exchange_phase(env, gen, kOpAllReduce, 0, b);
 
   // Reduce this block's piece of our own share, rank by rank.
   int64_t e0, e1;
@@ -64,10 +61,7 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Env env, AllReduce
             [&](uint32_t, int p) { return L.ar_gather_slot(env.data[p], gen, me) + e0 * elt; });
       });
     }
-    block_sync();
-    if (ok) block_signal_ranks(env, gen, peer_ranks(env), [&](int r) { return L.ar_flag(env.sig[r], gen, 1, me, b); });
-    ok = ok && block_wait_ranks(env, gen, kOpAllReduce, peer_ranks(env),
-                                [&](int r) { return L.ar_flag(env.sig[me], gen, 1, r, b); });
+    ok = exchange_phase(env, gen, kOpAllReduce, 1, b, ok);
     if (ok) {
       for (int o = 0; o < W; ++o) {
         if (o == me) continue;

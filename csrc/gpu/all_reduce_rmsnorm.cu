@@ -139,10 +139,7 @@ __global__ void __launch_bounds__(kThreads) all_reduce_rmsnorm_kernel(Env env, A
       block_copy(L.ar_slot(env.data[p], gen, me) + r0 * row_bytes, x + (shard.begin(p) + r0) * row_bytes,
                  (r1 - r0) * row_bytes, vec);
     }
-    block_sync();
-    block_signal_ranks(env, gen, peer_ranks(env), [&](int r) { return L.ar_flag(env.sig[r], gen, 0, me, b); });
-    ok = block_wait_ranks(env, gen, kOpAllReduceRmsNorm, peer_ranks(env),
-                          [&](int r) { return L.ar_flag(env.sig[me], gen, 0, r, b); });
+    ok = exchange_phase(env, gen, kOpAllReduceRmsNorm, 0, b);
   }
 
   // Finish this block's rows of this rank's shard.
@@ -180,10 +177,7 @@ __global__ void __launch_bounds__(kThreads) all_reduce_rmsnorm_kernel(Env env, A
         });
       }
     }
-    block_sync();
-    if (ok) block_signal_ranks(env, gen, peer_ranks(env), [&](int r) { return L.ar_flag(env.sig[r], gen, 1, me, b); });
-    ok = ok && block_wait_ranks(env, gen, kOpAllReduceRmsNorm, peer_ranks(env),
-                                [&](int r) { return L.ar_flag(env.sig[me], gen, 1, r, b); });
+    ok = exchange_phase(env, gen, kOpAllReduceRmsNorm, 1, b, ok);
     if (ok) {
       for (int o = 0; o < W; ++o) {
         if (o == me) continue;

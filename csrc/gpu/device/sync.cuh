@@ -101,5 +101,19 @@ RC_DEVICE void block_signal_ranks(const Env& env, uint64_t gen, uint32_t ranks, 
   if (r < env.world && (ranks >> r & 1u)) store_release_sys(flag_of(r), gen);
 }
 
+// One phase of the all_reduce exchange (phase 0: the partials are in the
+// peers' slots; 1: the finished shares are), for block b: once the block's
+// pushes are done (the barrier), flag every peer, then wait for every peer's
+// block b. With `ok` false (an earlier wait failed; block-uniform) it
+// neither signals nor waits, so a broken op drains. True when all arrived.
+RC_DEVICE bool exchange_phase(const Env& env, uint64_t gen, int op, int phase, int b, bool ok = true) {
+  const Layout& L = env.layout;
+  const int me = env.rank;
+  block_sync();
+  if (ok) block_signal_ranks(env, gen, peer_ranks(env), [&](int r) { return L.ar_flag(env.sig[r], gen, phase, me, b); });
+  return ok && block_wait_ranks(env, gen, op, peer_ranks(env),
+                                [&](int r) { return L.ar_flag(env.sig[me], gen, phase, r, b); });
+}
+
 }  // namespace gpu
 }  // namespace rdna4_comm
