@@ -66,7 +66,7 @@ def world_small(request, worlds) -> World:
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: minutes on the 2-core CI machine; CI deselects them (-m 'not slow')")
+    config.addinivalue_line("markers", "slow: a minute or more on the 2-core CI machine (-m 'not slow' skips them)")
 
 
 def pytest_collection_modifyitems(config, items):
