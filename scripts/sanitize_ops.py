@@ -19,6 +19,7 @@ import torch.distributed as dist
 import rdna4_comm as rc
 from rdna4_comm import reference
 from rdna4_comm._bench.cases import assert_rmsnorm_within_contract
+from rdna4_comm._bench.checks import assert_same
 from rdna4_comm._launch import Member, ProcessWorld, to_cpu
 
 W, CAP, H, TOPK = 2, 16, 64, 2
@@ -111,13 +112,12 @@ def check(per_rank) -> None:
             for name, got, want in (("dispatch x", d.x, ref[r].x), ("dispatch counts", d.counts, ref[r].counts),
                                     ("combine", out, ref_out[r]), ("all_reduce one-shot", s1, sums[0]),
                                     ("all_reduce two-shot", s2, sums[1])):
-                assert torch.equal(got.view(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), \
-                    f"rank {r} {what}: {name} differs from rdna4_comm.reference"
+                assert_same(got, want, f"rank {r} {what}: {name} against rdna4_comm.reference")
             for (out_f, residual_out), (xs_seed, res_seed, w_seed, shape) in zip(fused, fused_inputs):
                 residual, weight = tensor(res_seed, 0, shape), tensor(w_seed, 0, shape[-1:])
                 _, want_residual = reference.all_reduce_rmsnorm(
                     [tensor(xs_seed, q, shape) for q in range(W)], residual, weight, EPS)
-                assert torch.equal(residual_out, want_residual), f"rank {r} {what}: fused residual_out [{shape}]"
+                assert_same(residual_out, want_residual, f"rank {r} {what}: fused residual_out {shape}")
                 assert_rmsnorm_within_contract(out_f, residual_out, weight, EPS, f"rank {r} {what}: fused {shape}")
 
 
