@@ -174,6 +174,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   auto testing = m.def_submodule("testing", "protocol.h policies, for the tests");
   testing.def("ep_chunk_tokens", &ep_chunk_tokens, py::arg("ntok"));
   testing.def("ep_num_chunks", &ep_num_chunks, py::arg("ntok"));
+  testing.def("ep_max_chunks", &ep_max_chunks, py::arg("cap"));
   // (send_blocks, recv_blocks) of a launch policy.
   auto bind_grid = [&testing](const char* name, EpGrid (*policy)(int64_t, int, int)) {
     testing.def(name, [policy](int64_t ntok, int world, int sm_count) {
@@ -184,6 +185,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_grid("dispatch_grid", &dispatch_grid);
   bind_grid("combine_grid", &combine_grid);
   testing.def("allreduce_blocks", &allreduce_blocks, py::arg("share_bytes"), py::arg("sm_count"));
+  // (signal bytes, data bytes) of the heap layout of a configuration.
+  testing.def("heap_bytes", [](int world, int64_t cap, int64_t hidden, int64_t topk, int64_t elt, int64_t slot_bytes) {
+    HeapConfig c;
+    c.world = world;
+    c.cap = cap;
+    c.hidden = hidden;
+    c.topk = topk;
+    c.elt = elt;
+    c.ar_slot_bytes = slot_bytes;
+    const Layout l = make_layout(c);
+    return std::make_pair(l.signal_bytes, l.data_bytes);
+  }, py::arg("world"), py::arg("cap"), py::arg("hidden"), py::arg("topk"), py::arg("elt"), py::arg("slot_bytes"));
   m.def("rmsnorm_path_counts", &rmsnorm_path_counts, "Calls of all_reduce_rmsnorm by path");
   // The fused op's gate: the predicates the op itself uses (protocol.h).
   m.def("rmsnorm_path", [](int64_t tokens, int64_t hidden, int64_t elt, int world, bool gpu, int64_t slot_bytes) {

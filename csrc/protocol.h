@@ -98,12 +98,15 @@ RC_HD int64_t ep_num_chunks(int64_t ntok) {
   int64_t n = ceil_div(ntok, ep_chunk_tokens(ntok));
   return n < 1 ? 1 : n;  // T = 0 still publishes one (empty) chunk
 }
-// The GPU combine maps the tokens of a chunk to rows of y in shared memory,
-// which bounds a chunk, hence the tokens per rank, on the GPU transport.
+// The most chunks a source of T <= cap tokens publishes: min(cap, 128).
+// (Not ep_num_chunks(cap), which is not monotone: 200 tokens make 100
+// chunks of 2, 257 tokens 86 chunks of 3.)
+RC_HD int64_t ep_max_chunks(int64_t cap) { return cap < kEpTargetChunks ? (cap < 1 ? 1 : cap) : kEpTargetChunks; }
+// Tokens per chunk, hence per rank, on the GPU transport: a row index of
+// the received rows (W * cap of them) fits the 22 bits a bad-handle word
+// has for it (encode_bad_handle).
 constexpr int64_t kMaxGpuChunkTokens = 2048;
 constexpr int64_t kMaxGpuTokensPerRank = kEpTargetChunks * kMaxGpuChunkTokens;
-// A peer expects at most this many combine chunks from a rank (its T <= cap).
-RC_HD int64_t ep_max_chunks(int64_t cap) { return cap < kEpTargetChunks ? (cap < 1 ? 1 : cap) : kEpTargetChunks; }
 
 // all_reduce algorithm predicate. One-shot: every rank pushes its whole
 // input to every peer and sums locally (one barrier, (W-1)*N bytes out per
@@ -200,15 +203,16 @@ static_assert(kMaxGpuWorld * kMaxGpuTokensPerRank <= (int64_t(1) << 22), "a recv
 // peer's, and a block queued behind spinning ones would never run. The
 // kernels take one block per multiprocessor, so grids stay within 3/4 of the
 // multiprocessors: a stray kernel on a few of them cannot leave a block
-// waiting for a slot. dispatch/combine split blocks into senders and
-// receivers, each sized by its work items (token chunks): tiny batches get a
-// few blocks, large ones the full split. A block moves about as many bytes
-// as it keeps in flight, so the role with more memory streams per row gets
-// the larger half (1/2 against 1/4). dispatch senders: read x, write the own
-// output, write the link (3); receivers: read the heap, write the output (2).
-// combine senders: read y, write the link (2); receivers: read y and the
-// inbox, write the output (3). This split comes from that count, not yet
-// from a 2-GPU measurement (docs/performance.md).
+// waiting for a slot. dispatch/combine split that budget between senders and
+// receivers by the memory streams each role runs per row: dispatch senders
+// read a row of x once and write it to each of its destinations (about W
+// streams at most, W + 1 counted), receivers read the heap and write the
+// output for the (W - 1) / W of the rows that came from peers (2 (W - 1)
+// counted); combine mirrors that. Each role keeps at least one block, and
+// the role that takes whole chunks of this rank's tokens spreads them evenly
+// (every block the same number of chunks, give or take none): a block with
+// one chunk more than the others would run its last chunk alone. The split
+// comes from this count, not yet from a 2-GPU measurement (docs/performance.md).
 struct EpGrid {
   int send_blocks;
   int recv_blocks;
@@ -216,16 +220,31 @@ struct EpGrid {
 RC_HD int clamp_blocks(int64_t want, int64_t most) {
   return int(want < 1 ? 1 : (want > most ? (most < 1 ? 1 : most) : want));
 }
+// At most `most` blocks for n equal work items, each block the same number of them.
+RC_HD int even_blocks(int64_t n, int64_t most) {
+  const int64_t per = ceil_div(n, clamp_blocks(n, most));
+  return clamp_blocks(ceil_div(n, per), most);
+}
+RC_HD int ep_grid_budget(int sm_count) { return sm_count * 3 / 4 < 2 ? 2 : sm_count * 3 / 4; }
+// Blocks of the role that handles this rank's own chunks (dispatch senders,
+// combine receivers) out of the budget: its share (W + 1) / (3W - 1).
+RC_HD int ep_own_role_blocks(int64_t nch, int world, int sm_count) {
+  const int64_t budget = ep_grid_budget(sm_count);
+  const int64_t share = budget * (world + 1) / (3 * world - 1);
+  return even_blocks(nch, share < budget - 1 ? share : budget - 1);
+}
 RC_HD EpGrid dispatch_grid(int64_t ntok, int world, int sm_count) {
   // Senders own this rank's chunks; receivers take (peer, chunk) items (own
   // rows skip the heap).
   const int64_t nch = ep_num_chunks(ntok);
-  return {clamp_blocks(nch, sm_count / 2), clamp_blocks((world - 1) * nch, sm_count / 4)};
+  const int send = ep_own_role_blocks(nch, world, sm_count);
+  return {send, clamp_blocks((world - 1) * nch, ep_grid_budget(sm_count) - send)};
 }
 RC_HD EpGrid combine_grid(int64_t ntok, int world, int sm_count) {
   // Senders return rows for every peer's chunks; receivers sum this rank's.
   const int64_t nch = ep_num_chunks(ntok);
-  return {clamp_blocks((world - 1) * nch, sm_count / 4), clamp_blocks(nch, sm_count / 2)};
+  const int recv = ep_own_role_blocks(nch, world, sm_count);
+  return {clamp_blocks((world - 1) * nch, ep_grid_budget(sm_count) - recv), recv};
 }
 RC_HD int allreduce_blocks(int64_t share_bytes, int sm_count) {
   const int64_t most = sm_count / 2 < kMaxAllReduceBlocks ? sm_count / 2 : kMaxAllReduceBlocks;
@@ -416,7 +435,7 @@ inline Layout make_layout(const HeapConfig& c) {
   l.topk = c.topk;
   l.elt = c.elt;
   l.ar_slot_bytes = int64_t(align_up(size_t(c.ar_slot_bytes), kAlign));
-  l.max_chunks = c.cap > 1 ? c.cap : 1;
+  l.max_chunks = ep_max_chunks(c.cap);
   l.payload_stride = align_up(size_t(c.hidden * c.elt), 16);
   l.row_stride = align_up(l.payload_stride + size_t(c.topk) * 8 + 4, 16);
   const size_t W = size_t(c.world);
