@@ -278,14 +278,15 @@ std::pair<at::Tensor, at::Tensor> Comm::all_reduce_rmsnorm(const at::Tensor& x,
   return {out, res_out};
 }
 
-Dispatched Comm::allocate_dispatched(int64_t ntok, bool with_weights) const {
+Dispatched Comm::allocate_dispatched(int64_t ntok, at::ScalarType idx_dtype,
+                                     c10::optional<at::ScalarType> weights_dtype) const {
   const int64_t rows = int64_t(cfg_.world) * cfg_.cap;
   auto opts = at::TensorOptions().device(device());
   auto i32 = opts.dtype(at::kInt);
   Dispatched d;
   d.x = at::empty({rows, cfg_.hidden}, opts.dtype(cfg_.dtype));
-  d.topk_idx = at::empty({rows, cfg_.topk}, i32);
-  d.topk_weights = at::empty({with_weights ? rows : 0, cfg_.topk}, opts.dtype(at::kFloat));
+  d.topk_idx = at::empty({rows, cfg_.topk}, opts.dtype(idx_dtype));
+  d.topk_weights = at::empty({weights_dtype ? rows : 0, cfg_.topk}, opts.dtype(weights_dtype.value_or(at::kFloat)));
   d.counts = at::empty({cfg_.world}, i32);
   d.recv_src = at::empty({rows}, i32);
   d.src_tokens = at::empty({cfg_.world}, i32);
@@ -309,36 +310,35 @@ Dispatched Comm::dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
                     " tokens (max_tokens_per_rank), got ", shape_str(x), " = ", T, " tokens");
   check_dtype(op, "x", x, cfg_.dtype);
   check_contiguous(op, "x", x);
-  // Routing has x's leading dimensions, or is flat: [T, K].
-  std::vector<int64_t> routing_shape(x.sizes().begin(), x.sizes().end() - 1);
-  routing_shape.push_back(cfg_.topk);
+  // Routing has x's leading dimensions and topk, or is flat: [T, K].
   auto check_routing = [&](const char* arg, const at::Tensor& t) {
     check_device(op, arg, t, dev);
     const bool flat = t.dim() == 2 && t.size(0) == T && t.size(1) == cfg_.topk;
-    TORCH_CHECK_VALUE(flat || t.sizes() == at::IntArrayRef(routing_shape), op, ": ", arg,
-                      " must have shape ", at::IntArrayRef(routing_shape), " (x's tokens, topk) or [", T, ", ",
-                      cfg_.topk, "], got ", shape_str(t));
+    const bool like_x = t.dim() == x.dim() && t.size(-1) == cfg_.topk &&
+                        t.sizes().slice(0, t.dim() - 1) == x.sizes().slice(0, x.dim() - 1);
+    if (!flat && !like_x) {
+      std::vector<int64_t> routing_shape(x.sizes().begin(), x.sizes().end() - 1);
+      routing_shape.push_back(cfg_.topk);
+      TORCH_CHECK_VALUE(false, op, ": ", arg, " must have shape ", at::IntArrayRef(routing_shape),
+                        " (x's tokens, topk) or [", T, ", ", cfg_.topk, "], got ", shape_str(t));
+    }
     check_contiguous(op, arg, t);
   };
-  TORCH_CHECK_TYPE(topk_idx.scalar_type() == at::kInt || topk_idx.scalar_type() == at::kLong, op,
-                   ": topk_idx must be torch.int32 or torch.int64, got ", dtype_name(topk_idx.scalar_type()));
+  const auto it = topk_idx.scalar_type();
+  TORCH_CHECK_TYPE(it == at::kInt || it == at::kLong, op, ": topk_idx must be torch.int32 or torch.int64, got ",
+                   dtype_name(it));
   check_routing("topk_idx", topk_idx);
-  c10::optional<at::Tensor> weights32;
+  c10::optional<at::ScalarType> wt;
   if (topk_weights.has_value()) {
-    const auto wt = topk_weights->scalar_type();
-    TORCH_CHECK_TYPE(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kHalf, op,
-                     ": topk_weights must be torch.float32, torch.bfloat16 or torch.float16, got ",
-                     dtype_name(wt));
+    wt = topk_weights->scalar_type();
+    TORCH_CHECK_TYPE(*wt == at::kFloat || *wt == at::kBFloat16 || *wt == at::kHalf, op,
+                     ": topk_weights must be torch.float32, torch.bfloat16 or torch.float16, got ", dtype_name(*wt));
     check_routing("topk_weights", *topk_weights);
-    // The transports carry fp32 weights; bf16/fp16 convert exactly both ways.
-    weights32 = topk_weights->reshape({T, cfg_.topk}).to(at::kFloat);
   }
-  Dispatched out = allocate_dispatched(T, topk_weights.has_value());
-  dispatch_impl(x.view({T, cfg_.hidden}), topk_idx.view({T, cfg_.topk}), weights32, out);
-  // Received routing comes back in the dtypes it was given in.
-  if (topk_idx.scalar_type() != at::kInt) out.topk_idx = out.topk_idx.to(topk_idx.scalar_type());
-  if (topk_weights.has_value() && topk_weights->scalar_type() != at::kFloat)
-    out.topk_weights = out.topk_weights.to(topk_weights->scalar_type());
+  Dispatched out = allocate_dispatched(T, it, wt);
+  c10::optional<at::Tensor> weights;
+  if (topk_weights.has_value()) weights = topk_weights->view({T, cfg_.topk});
+  dispatch_impl(x.view({T, cfg_.hidden}), topk_idx.view({T, cfg_.topk}), weights, out);
   return out;
 }
 

@@ -49,11 +49,13 @@ uint64_t process_start_time(int pid);
 // replaced by a reused pid, not a zombie).
 bool process_alive(const PeerProcess& p);
 
-// Outputs of dispatch, in schema order.
+// Outputs of dispatch, in schema order. Rows of x from counts.sum() on are
+// unspecified (never written: a decode step must not pay for the capacity);
+// the routing of those rows is -1 ids and 0 weights.
 struct Dispatched {
   at::Tensor x;           // [W*cap, H] dtype
-  at::Tensor topk_idx;    // [W*cap, K] int32, local expert id or -1
-  at::Tensor topk_weights;  // [W*cap, K] fp32, or [0, K] without weights
+  at::Tensor topk_idx;    // [W*cap, K] the ids' dtype (int32 or int64), local expert id or -1
+  at::Tensor topk_weights;  // [W*cap, K] the weights' dtype (fp32, bf16 or fp16), or [0, K] without weights
   at::Tensor counts;      // [W] int32 rows received per source
   at::Tensor recv_src;    // [W*cap] int32: source rank * cap + source token, -1 for padding
   at::Tensor src_tokens;  // [W] int32: T of each source rank
@@ -129,6 +131,9 @@ class Comm {
   // The residual add and the norm alone, no communication: c.x holds the
   // reduced rows already (it may alias c.residual_out).
   virtual void rmsnorm_local(const RmsNormRows& c) = 0;
+  // x [T, H], topk_idx [T, K] and topk_weights [T, K] in the caller's
+  // dtypes; each transport writes `out` in those dtypes (the heap carries
+  // weights as fp32, exact for bf16 and fp16).
   virtual void dispatch_impl(const at::Tensor& x, const at::Tensor& topk_idx,
                              const c10::optional<at::Tensor>& topk_weights, Dispatched& out) = 0;
   virtual void combine_impl(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
@@ -151,7 +156,8 @@ class Comm {
   std::array<int64_t, kNumRmsNormPaths + 1> rmsnorm_counts_{};
 
  private:
-  Dispatched allocate_dispatched(int64_t ntok, bool with_weights) const;
+  Dispatched allocate_dispatched(int64_t ntok, at::ScalarType idx_dtype,
+                                 c10::optional<at::ScalarType> weights_dtype) const;
   // The chunk loop of all_reduce: n elements of dtype st from in to out.
   void all_reduce_into(at::ScalarType st, const char* in, char* out, int64_t n, bool gpu);
 };

@@ -33,6 +33,9 @@ TRANSPORTS = ("auto", "gpu", "cpu", "dist")
 TRANSPORT_ENV = "RDNA4_COMM_TRANSPORT"
 
 _ids = itertools.count()
+# The ops' packet; the methods call its .default overloads directly (no
+# overload resolution per call).
+_OPS = torch.ops.rdna4_comm
 
 
 class DispatchHandle(NamedTuple):
@@ -459,7 +462,7 @@ class Communicator:
             ``rdna4_comm.allreduce_algorithm``.
         """
         self._check_open()
-        return torch.ops.rdna4_comm.all_reduce(x, self._order, self.id)
+        return _OPS.all_reduce.default(x, self._order, self.id)
 
     def all_reduce_rmsnorm(
         self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float = 1e-6
@@ -488,7 +491,7 @@ class Communicator:
         self._check_open()
         if not isinstance(eps, (float, int)) or isinstance(eps, bool):
             raise TypeError(f"all_reduce_rmsnorm: eps must be a float, got {type(eps).__name__}")
-        return torch.ops.rdna4_comm.all_reduce_rmsnorm(x, residual, weight, float(eps), self._order, self.id)
+        return _OPS.all_reduce_rmsnorm.default(x, residual, weight, float(eps), self._order, self.id)
 
     def fused_path_counts(self) -> dict[str, int]:
         """Calls of :meth:`all_reduce_rmsnorm` on this rank by path ("one_stage",
@@ -519,7 +522,7 @@ class Communicator:
             row per (token, destination rank).
         """
         self._check_ep()
-        rx, ridx, rw, counts, recv_src, src_tokens, send_mask = torch.ops.rdna4_comm.dispatch(
+        rx, ridx, rw, counts, recv_src, src_tokens, send_mask = _OPS.dispatch.default(
             x, topk_idx, topk_weights, self._order, self.id
         )
         handle = DispatchHandle(recv_src, counts, src_tokens, send_mask, self.id, tuple(x.shape[:-1]))
@@ -555,7 +558,7 @@ class Communicator:
                 f"combine: handle.token_shape {tuple(handle.token_shape)} holds {math.prod(handle.token_shape)} "
                 f"tokens but handle.send_mask has {handle.send_mask.shape[0]}: the fields come from different dispatches"
             )
-        out = torch.ops.rdna4_comm.combine(
+        out = _OPS.combine.default(
             y, handle.recv_src, handle.counts, handle.src_tokens, handle.send_mask, self._order, self.id
         )
         return out.view(*handle.token_shape, self.hidden)

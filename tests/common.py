@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from rdna4_comm._bench.checks import assert_dispatched, rand  # noqa: F401  (re-exported to the tests)
+from rdna4_comm._bench.checks import assert_dispatched, rand, received_rows  # noqa: F401  (re-exported to the tests)
 # Bitwise equality of dtype, shape and every byte: the benchmarks' check.
 from rdna4_comm._bench.checks import assert_same as assert_bitwise  # noqa: F401  (re-exported to the tests)
 
@@ -76,6 +76,11 @@ def routing(kind: str, g: torch.Generator, T: int, K: int, E: int, W: int, rank:
         idx = experts_of(rank, (T, K))
         idx[:, K - 1] = experts_of((rank + 1) % W, (T,))
         return idx
+    if kind == "every_rank":
+        # Slot k goes to rank k % W: with K >= W every token reaches every
+        # rank, and at T = cap dispatch's x has no padding rows.
+        owner = torch.arange(K) % W
+        return owner * epr + torch.randint(0, epr, (T, K), generator=g)
     if kind == "duplicates_across_32":
         idx = torch.randint(0, E, (T, K), generator=g)
         if K > 32:

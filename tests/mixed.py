@@ -18,7 +18,7 @@ from common import ep_inputs, expert_fn, rand
 
 from rdna4_comm import reference
 from rdna4_comm._bench.cases import assert_rmsnorm_within_contract
-from rdna4_comm._bench.checks import HANDLE_FIELDS
+from rdna4_comm._bench.checks import HANDLE_FIELDS, received_rows
 
 CAP, HIDDEN, TOPK, EXPERTS_PER_RANK = 12, 40, 4, 3
 EP_DTYPE = torch.bfloat16
@@ -143,7 +143,7 @@ def issue(comm, ops: list[Op], staged: list[tuple], i: int, rank: int, dispatche
 def _tensors(op: Op, result) -> tuple:
     """The tensors of a result that the reference fixes bitwise."""
     if op.kind == "dispatch":
-        return (result.x, result.topk_idx, result.topk_weights, result.counts,
+        return (received_rows(result), result.topk_idx, result.topk_weights, result.counts,
                 *(getattr(result.handle, f) for f in HANDLE_FIELDS))
     if op.kind == "all_reduce_rmsnorm":
         return (result[1],)  # residual_out; out is checked against it by the contract and across ranks

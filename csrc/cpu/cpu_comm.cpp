@@ -21,6 +21,7 @@
 #include <random>
 #include <sstream>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -214,128 +215,18 @@ class CpuComm final : public Comm {
   // ChunkSlot per (destination, chunk), empty chunks included; this rank's
   // own rows go straight from x to the output; the receiver takes the peers'
   // chunks in chunk-major order. Everything is published before the first
-  // wait, so no rank waits for a peer that waits for it.
+  // wait, so no rank waits for a peer that waits for it. Ids and weights are
+  // read and written in the caller's dtypes.
   void dispatch_impl(const at::Tensor& x, const at::Tensor& topk_idx,
                      const c10::optional<at::Tensor>& topk_weights, Dispatched& out) override {
-    const int W = cfg_.world, me = cfg_.rank;
-    const int64_t T = x.size(0), K = cfg_.topk, cap = cfg_.cap, epr = cfg_.experts_per_rank();
-    const int64_t payload = cfg_.hidden * int64_t(c10::elementSize(cfg_.dtype));
-    const int64_t C = ep_chunk_tokens(T), nch = ep_num_chunks(T);
-    const at::Tensor ids = topk_idx.to(at::kLong);
-    const int64_t* idp = ids.data_ptr<int64_t>();
-    const float* wp = topk_weights ? topk_weights->data_ptr<float>() : nullptr;
-    const char* xp = static_cast<const char*>(x.data_ptr());
-    int32_t* mask_out = out.send_mask.data_ptr<int32_t>();
-    char* rx = static_cast<char*>(out.x.data_ptr());
-    int32_t* rid_out = out.topk_idx.data_ptr<int32_t>();
-    // With T = 0 the weights may be given yet have no storage: test the optional.
-    float* rw_out = topk_weights ? out.topk_weights.data_ptr<float>() : nullptr;
-    int32_t* src_out = out.recv_src.data_ptr<int32_t>();
-    const uint64_t gen = op_generation(kOpDispatch);
-
-    // Destination sets, and start[c * W + d]: rows to d from the tokens before chunk c.
-    std::vector<uint32_t> start(size_t(nch + 1) * W, 0);
-    for (int64_t t = 0; t < T; ++t) {
-      uint32_t mask = 0;
-      for (int64_t k = 0; k < K; ++k) {
-        const int owner = expert_owner(idp[t * K + k], cfg_.num_experts, epr);
-        if (owner >= 0) mask |= 1u << owner;
-      }
-      mask_out[t] = int32_t(mask);
-      for (int d = 0; d < W; ++d) start[size_t(t / C + 1) * W + d] += mask >> d & 1u;
-    }
-    for (int64_t c = 0; c < nch; ++c)
-      for (int d = 0; d < W; ++d) start[size_t(c + 1) * W + d] += start[size_t(c) * W + d];
-    auto rows_to = [&](int64_t c, int d) { return start[size_t(c) * W + d]; };
-    for (int d = 0; d < W; ++d) {
-      HeadSlot* head = layout_.dispatch_head(signals(d), gen, me);
-      head->ntok = uint32_t(T);
-      head->nrows = rows_to(nch, d);
-      store_release(&head->gen, gen);
-    }
-    // Token t's routing as destination d sees it: the local id where the
-    // slot's expert lives on d, else -1 and weight 0.
-    auto write_routing = [&](int64_t t, int d, int32_t* rid, float* rw) {
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t e = idp[t * K + k];
-        const bool here = expert_owner(e, cfg_.num_experts, epr) == d;
-        rid[k] = here ? int32_t(e - d * epr) : -1;
-        if (rw) rw[k] = here && wp ? wp[t * K + k] : 0.f;
-      }
-    };
-
-    // Peers' rows, chunk by chunk, each chunk announced to every peer.
-    std::vector<uint32_t> next(W);
-    for (int64_t c = 0; c < nch; ++c) {
-      for (int d = 0; d < W; ++d) next[d] = rows_to(c, d);
-      for (int64_t t = c * C; t < std::min((c + 1) * C, T); ++t) {
-        for (int d = 0; d < W; ++d) {
-          if (d == me || !(uint32_t(mask_out[t]) >> d & 1u)) continue;
-          char* row = layout_.dispatch_row(data(d), gen, me, next[d]++);
-          std::memcpy(row, xp + t * payload, size_t(payload));
-          write_routing(t, d, layout_.row_ids(row), layout_.row_weights(row));
-          *layout_.row_token(row) = int32_t(t);
-        }
-      }
-      for (int d = 0; d < W; ++d) {
-        if (d == me) continue;
-        ChunkSlot* slot = layout_.dispatch_chunk(signals(d), gen, me, c);
-        slot->row_start = rows_to(c, d);
-        slot->nrows = rows_to(c + 1, d) - rows_to(c, d);
-        store_release(&slot->gen, gen);
-      }
-    }
-
-    // This rank's own rows skip the heap: straight to the output, after the
-    // rows of every lower rank, whose counts come from their headers.
-    int64_t own = 0;
-    for (int s = 0; s < me; ++s) {
-      const HeadSlot* head = layout_.dispatch_head(signals(me), gen, s);
-      wait_at_least(&head->gen, gen, kOpDispatch, s);
-      own += head->nrows;
-    }
-    for (int64_t t = 0; t < T; ++t) {
-      if (!(uint32_t(mask_out[t]) >> me & 1u)) continue;
-      std::memcpy(rx + own * payload, xp + t * payload, size_t(payload));
-      write_routing(t, me, rid_out + own * K, rw_out ? rw_out + own * K : nullptr);
-      src_out[own++] = int32_t(me * cap + t);
-    }
-
-    // Receive: every source's header, then the peers' chunks in chunk-major
-    // order, each to its source's rows (sources in rank order).
-    int32_t* counts = out.counts.data_ptr<int32_t>();
-    int32_t* src_tokens = out.src_tokens.data_ptr<int32_t>();
-    std::vector<int64_t> offset(W + 1, 0), nchunks(W, 0);
-    for (int s = 0; s < W; ++s) {
-      const HeadSlot* head = layout_.dispatch_head(signals(me), gen, s);
-      wait_at_least(&head->gen, gen, kOpDispatch, s);
-      counts[s] = int32_t(head->nrows);
-      src_tokens[s] = int32_t(head->ntok);
-      nchunks[s] = s == me ? 0 : ep_num_chunks(head->ntok);  // own rows are in place already
-      offset[s + 1] = offset[s] + head->nrows;
-    }
-    const int64_t rounds = *std::max_element(nchunks.begin(), nchunks.end());
-    for (int64_t c = 0; c < rounds; ++c) {
-      for (int s = 0; s < W; ++s) {
-        if (c >= nchunks[s]) continue;
-        const ChunkSlot* slot = layout_.dispatch_chunk(signals(me), gen, s, c);
-        wait_at_least(&slot->gen, gen, kOpDispatch, s);
-        for (uint32_t j = slot->row_start; j < slot->row_start + slot->nrows; ++j) {
-          char* row = layout_.dispatch_row(data(me), gen, s, j);
-          const int64_t o = offset[s] + j;
-          std::memcpy(rx + o * payload, row, size_t(payload));
-          std::memcpy(rid_out + o * K, layout_.row_ids(row), size_t(K) * 4);
-          if (rw_out) std::memcpy(rw_out + o * K, layout_.row_weights(row), size_t(K) * 4);
-          src_out[o] = int32_t(s * cap + *layout_.row_token(row));
-        }
-      }
-    }
-    const int64_t rows = int64_t(W) * cap, pad0 = offset[W];
-    std::memset(rx + pad0 * payload, 0, size_t((rows - pad0) * payload));
-    std::fill(rid_out + pad0 * K, rid_out + rows * K, -1);
-    if (rw_out) std::fill(rw_out + pad0 * K, rw_out + rows * K, 0.f);
-    std::fill(src_out + pad0, src_out + rows, -1);
-    finish_op(kOpDispatch, gen);
+    AT_DISPATCH_INDEX_TYPES(topk_idx.scalar_type(), "rdna4_comm_dispatch_ids", [&] {
+      using IdxT = index_t;
+      if (!topk_weights) return dispatch_typed<IdxT, float>(x, topk_idx.data_ptr<IdxT>(), nullptr, out);
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, topk_weights->scalar_type(),
+                                      "rdna4_comm_dispatch_weights", [&] {
+        dispatch_typed<IdxT, scalar_t>(x, topk_idx.data_ptr<IdxT>(), topk_weights->data_ptr<scalar_t>(), out);
+      });
+    });
   }
 
   // combine, as the GPU's blocks run it: every row received from a peer goes
@@ -435,10 +326,134 @@ class CpuComm final : public Comm {
                    " + t with t below " + std::to_string(src_tokens[s]) + " (the source rank " + std::to_string(s) +
                    "'s token count): in [" + std::to_string(first) + ", " + std::to_string(end) + ")");
     }
-    for (const int64_t received = j; j < int64_t(W) * cap; ++j)
-      if (recv_src[j] != -1)
-        fail(kHandleRecvSrc, j, recv_src[j],
-             "-1, a padding row (handle.counts sums to " + std::to_string(received) + " rows)");
+    // recv_src past the received rows is never read, so any value passes.
+  }
+
+  template <typename IdxT, typename WT>
+  void dispatch_typed(const at::Tensor& x, const IdxT* idp, const WT* wp, Dispatched& out) {
+    const int W = cfg_.world, me = cfg_.rank;
+    const int64_t T = x.size(0), K = cfg_.topk, cap = cfg_.cap, epr = cfg_.experts_per_rank();
+    const int64_t payload = cfg_.hidden * int64_t(c10::elementSize(cfg_.dtype));
+    const int64_t C = ep_chunk_tokens(T), nch = ep_num_chunks(T);
+    const char* xp = static_cast<const char*>(x.data_ptr());
+    int32_t* mask_out = out.send_mask.data_ptr<int32_t>();
+    char* rx = static_cast<char*>(out.x.data_ptr());
+    IdxT* rid_out = out.topk_idx.data_ptr<IdxT>();
+    // With T = 0 the weights may be given yet have no storage: out's shape says.
+    WT* rw_out = out.topk_weights.size(0) > 0 ? out.topk_weights.data_ptr<WT>() : nullptr;
+    int32_t* src_out = out.recv_src.data_ptr<int32_t>();
+    const uint64_t gen = op_generation(kOpDispatch);
+
+    // Destination sets, and start[c * W + d]: rows to d from the tokens before chunk c.
+    std::vector<uint32_t> start(size_t(nch + 1) * W, 0);
+    for (int64_t t = 0; t < T; ++t) {
+      uint32_t mask = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const int owner = expert_owner(int64_t(idp[t * K + k]), cfg_.num_experts, epr);
+        if (owner >= 0) mask |= 1u << owner;
+      }
+      mask_out[t] = int32_t(mask);
+      for (int d = 0; d < W; ++d) start[size_t(t / C + 1) * W + d] += mask >> d & 1u;
+    }
+    for (int64_t c = 0; c < nch; ++c)
+      for (int d = 0; d < W; ++d) start[size_t(c + 1) * W + d] += start[size_t(c) * W + d];
+    auto rows_to = [&](int64_t c, int d) { return start[size_t(c) * W + d]; };
+    for (int d = 0; d < W; ++d) {
+      HeadSlot* head = layout_.dispatch_head(signals(d), gen, me);
+      head->ntok = uint32_t(T);
+      head->nrows = rows_to(nch, d);
+      store_release(&head->gen, gen);
+    }
+    // Token t's routing as destination d sees it: the local id where the
+    // slot's expert lives on d, else -1 and weight 0 (the heap row holds
+    // int32 ids and fp32 weights; the own rows take the caller's dtypes).
+    auto write_routing = [&](int64_t t, int d, auto* rid, auto* rw) {
+      using OutId = std::remove_pointer_t<decltype(rid)>;
+      using OutW = std::remove_pointer_t<decltype(rw)>;
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t e = int64_t(idp[t * K + k]);
+        const bool here = expert_owner(e, cfg_.num_experts, epr) == d;
+        rid[k] = OutId(here ? e - d * epr : -1);
+        if (rw) rw[k] = OutW(here && wp ? float(wp[t * K + k]) : 0.f);
+      }
+    };
+
+    // Peers' rows, chunk by chunk, each chunk announced to every peer.
+    std::vector<uint32_t> next(W);
+    for (int64_t c = 0; c < nch; ++c) {
+      for (int d = 0; d < W; ++d) next[d] = rows_to(c, d);
+      for (int64_t t = c * C; t < std::min((c + 1) * C, T); ++t) {
+        for (int d = 0; d < W; ++d) {
+          if (d == me || !(uint32_t(mask_out[t]) >> d & 1u)) continue;
+          char* row = layout_.dispatch_row(data(d), gen, me, next[d]++);
+          std::memcpy(row, xp + t * payload, size_t(payload));
+          write_routing(t, d, layout_.row_ids(row), layout_.row_weights(row));
+          *layout_.row_token(row) = int32_t(t);
+        }
+      }
+      for (int d = 0; d < W; ++d) {
+        if (d == me) continue;
+        ChunkSlot* slot = layout_.dispatch_chunk(signals(d), gen, me, c);
+        slot->row_start = rows_to(c, d);
+        slot->nrows = rows_to(c + 1, d) - rows_to(c, d);
+        store_release(&slot->gen, gen);
+      }
+    }
+
+    // This rank's own rows skip the heap: straight to the output, after the
+    // rows of every lower rank, whose counts come from their headers.
+    int64_t own = 0;
+    for (int s = 0; s < me; ++s) {
+      const HeadSlot* head = layout_.dispatch_head(signals(me), gen, s);
+      wait_at_least(&head->gen, gen, kOpDispatch, s);
+      own += head->nrows;
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      if (!(uint32_t(mask_out[t]) >> me & 1u)) continue;
+      std::memcpy(rx + own * payload, xp + t * payload, size_t(payload));
+      write_routing(t, me, rid_out + own * K, rw_out ? rw_out + own * K : static_cast<WT*>(nullptr));
+      src_out[own++] = int32_t(me * cap + t);
+    }
+
+    // Receive: every source's header, then the peers' chunks in chunk-major
+    // order, each to its source's rows (sources in rank order).
+    int32_t* counts = out.counts.data_ptr<int32_t>();
+    int32_t* src_tokens = out.src_tokens.data_ptr<int32_t>();
+    std::vector<int64_t> offset(W + 1, 0), nchunks(W, 0);
+    for (int s = 0; s < W; ++s) {
+      const HeadSlot* head = layout_.dispatch_head(signals(me), gen, s);
+      wait_at_least(&head->gen, gen, kOpDispatch, s);
+      counts[s] = int32_t(head->nrows);
+      src_tokens[s] = int32_t(head->ntok);
+      nchunks[s] = s == me ? 0 : ep_num_chunks(head->ntok);  // own rows are in place already
+      offset[s + 1] = offset[s] + head->nrows;
+    }
+    const int64_t rounds = *std::max_element(nchunks.begin(), nchunks.end());
+    for (int64_t c = 0; c < rounds; ++c) {
+      for (int s = 0; s < W; ++s) {
+        if (c >= nchunks[s]) continue;
+        const ChunkSlot* slot = layout_.dispatch_chunk(signals(me), gen, s, c);
+        wait_at_least(&slot->gen, gen, kOpDispatch, s);
+        for (uint32_t j = slot->row_start; j < slot->row_start + slot->nrows; ++j) {
+          char* row = layout_.dispatch_row(data(me), gen, s, j);
+          const int64_t o = offset[s] + j;
+          std::memcpy(rx + o * payload, row, size_t(payload));
+          const int32_t* ids = layout_.row_ids(row);
+          const float* weights = layout_.row_weights(row);
+          for (int64_t k = 0; k < K; ++k) rid_out[o * K + k] = IdxT(ids[k]);
+          if (rw_out)
+            for (int64_t k = 0; k < K; ++k) rw_out[o * K + k] = WT(weights[k]);
+          src_out[o] = int32_t(s * cap + *layout_.row_token(row));
+        }
+      }
+    }
+    // Padding rows: x is left unwritten (the contract leaves it unspecified),
+    // the routing says "nowhere".
+    const int64_t rows = int64_t(W) * cap, pad0 = offset[W];
+    std::fill(rid_out + pad0 * K, rid_out + rows * K, IdxT(-1));
+    if (rw_out) std::fill(rw_out + pad0 * K, rw_out + rows * K, WT(0));
+    std::fill(src_out + pad0, src_out + rows, -1);
+    finish_op(kOpDispatch, gen);
   }
 
   // One round of the all_reduce protocol over a chunk cut into shares `sh`

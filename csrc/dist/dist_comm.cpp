@@ -198,7 +198,7 @@ class DistComm final : public Comm {
     source_row.push_back(at::where(valid, j, 0));
     const at::Tensor picked = recv.narrow(1, 0, cap * rs).view({W, cap, rs}).index(source_row);  // [W*cap, rs]
     const at::Tensor valid_col = valid.unsqueeze(1);
-    out.x.copy_(at::where(valid_col, field(picked, 0, H * cfg_.elt, cfg_.dtype), 0));
+    out.x.copy_(field(picked, 0, H * cfg_.elt, cfg_.dtype));  // padding rows: unspecified
     out.topk_idx.copy_(at::where(valid_col, field(picked, ps, 4 * K, at::kInt), -1));
     if (topk_weights) out.topk_weights.copy_(at::where(valid_col, field(picked, ps + 4 * K, 4 * K, at::kFloat), 0.f));
     out.recv_src.copy_(at::where(valid, src * cap + field(picked, ps + 8 * K, 4, at::kInt).squeeze(1), -1));

@@ -1,8 +1,7 @@
 // combine: sender blocks return every received row to its source's inbox;
 // receiver blocks sum this rank's tokens over their destination ranks, own
 // contributions straight from y.
-#include "device/copy.cuh"
-#include "device/reduce.cuh"
+#include "device/rows.cuh"
 #include "device/routing.cuh"
 #include "device/sync.cuh"
 
@@ -12,21 +11,19 @@ namespace {
 
 struct CombineShared {
   Sources src;  // from the handle: what dispatch received from every source
-  int32_t item_src[kMaxGroup], item_lo[kMaxGroup], item_hi[kMaxGroup];
+  // Sender: start[c][s], the first row of y from source s's chunk c (its
+  // rows lie in token order). Receiver: start[c][0], this rank's own rows
+  // before chunk c of its tokens.
+  int32_t start[kEpTargetChunks + 1][kMaxGpuWorld];
+  int32_t item_src[kMaxGroup], item_lo[kMaxGroup], item_first[kMaxGroup + 1];
   int64_t item_chunk[kMaxGroup];
-  // Receiver: the row of y that holds this rank's own contribution to each
-  // token of a group of chunks (a group never exceeds kMaxGpuChunkTokens).
-  int32_t own_row[kMaxGpuChunkTokens];
+  int32_t run[kMaxGpuWorld];
+  int32_t warp_tot[kMaxWarps][kMaxGpuWorld];
+  // Receiver batch: each token's destinations and the row of y that holds
+  // this rank's own contribution to it.
+  uint32_t batch_mask[kThreads];
+  int32_t own_row[kThreads];
 };
-
-// First row in [lo, hi) whose source token is >= t (rows are sorted by token).
-RC_DEVICE int32_t lower_bound_token(const int32_t* recv_src, int32_t lo, int32_t hi, int64_t base, int64_t t) {
-  while (lo < hi) {
-    const int32_t mid = lo + (hi - lo) / 2;
-    if (recv_src[mid] - base < t) lo = mid + 1; else hi = mid;
-  }
-  return lo;
-}
 
 // The handle is user input. Its counts pick rows, chunks and flag slots,
 // so every block checks them first (all blocks reach the same verdict); a
@@ -56,42 +53,62 @@ RC_DEVICE int64_t row_token(const CombineArgs& a, const Sources& src, int64_t ca
   return t >= 0 && t < src.ntok[s] ? t : -1;
 }
 
-// With valid counts: the grid checks every row of recv_src (a source's token
-// below the received rows, -1 past them) and every send_mask bit (ranks of
-// the world only), each thread a strided share.
+// With valid counts: the grid checks recv_src on every received row (a
+// token of the row's source) and every send_mask bit (ranks of the world
+// only), each thread a strided share. recv_src past the received rows is
+// never read, so it is not checked.
 RC_DEVICE void check_handle_rows(const Env& env, const CombineArgs& a, const Sources& src) {
   const int W = env.world;
   const int64_t cap = env.layout.cap, stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (int64_t j = first; j < int64_t(W) * cap; j += stride) {
+  for (int64_t j = first; j < src.offset[W]; j += stride) {
     int s = 0;
-    while (s < W && j >= src.offset[s + 1]) ++s;
-    if (s < W ? row_token(a, src, cap, s, j) < 0 : a.recv_src[j] != -1)
-      record_error(env, encode_bad_handle(kHandleRecvSrc, j, a.recv_src[j]));
+    while (j >= src.offset[s + 1]) ++s;
+    if (row_token(a, src, cap, s, j) < 0) record_error(env, encode_bad_handle(kHandleRecvSrc, j, a.recv_src[j]));
   }
   for (int64_t t = first; t < a.ntok; t += stride)
     if (uint32_t(a.send_mask[t]) & ~all_ranks(env))
       record_error(env, encode_bad_handle(kHandleSendMask, t, a.send_mask[t]));
 }
 
-// Rows [lo, hi) of y that came from source s's chunk c: dispatch lays each
-// source's rows out in token order.
-RC_DEVICE void chunk_rows(const CombineArgs& a, const Sources& src, int64_t cap, int s, int64_t c, int32_t* lo,
-                          int32_t* hi) {
-  const int64_t C = ep_chunk_tokens(src.ntok[s]), base = int64_t(s) * cap;
-  const int32_t last_row = src.offset[s] + src.nrows[s];
-  *lo = lower_bound_token(a.recv_src, src.offset[s], last_row, base, c * C);
-  *hi = lower_bound_token(a.recv_src, *lo, last_row, base, (c + 1) * C);
+// start[c][s] for every peer source s and c in [0, its chunks]: one pass
+// over its rows, row j setting the chunks from the one after row j - 1's up
+// to its own. A handle whose rows are not in token order (recorded by
+// check_handle_rows where a value is out of range) gives wrong ranges, but
+// every one lies within the source's rows.
+RC_DEVICE void peer_chunk_starts(const Env& env, const CombineArgs& a, CombineShared& sh) {
+  const int me = env.rank, W = env.world, tid = threadIdx.x, nt = blockDim.x;
+  const int64_t cap = env.layout.cap;
+  for (int s = 0; s < W; ++s) {
+    const int32_t end = sh.src.offset[s] + sh.src.nrows[s];
+    for (int c = tid; c <= sh.src.nchunks[s]; c += nt) sh.start[c][s] = end;
+  }
+  block_sync();
+  for (int s = 0; s < W; ++s) {
+    if (s == me || sh.src.nchunks[s] == 0) continue;
+    const int64_t C = ep_chunk_tokens(sh.src.ntok[s]);
+    auto chunk_of = [&](int64_t j) {
+      const int64_t t = row_token(a, sh.src, cap, s, j);
+      return t < 0 ? int64_t(-1) : t / C;
+    };
+    for (int64_t j = sh.src.offset[s] + tid; j < sh.src.offset[s] + sh.src.nrows[s]; j += nt) {
+      const int64_t c = chunk_of(j);
+      for (int64_t k = j == sh.src.offset[s] ? 0 : chunk_of(j - 1) + 1; k <= c; ++k) sh.start[k][s] = int32_t(j);
+    }
+  }
+  block_sync();
 }
 
 // Rows go back to their source's inbox, a group of (source, chunk) items at a
-// time; each item's flag follows its rows.
+// time, their rows as one batch; each item's flag follows its rows.
 RC_DEVICE void combine_sender(const Env& env, const CombineArgs& a, CombineShared& sh, uint64_t gen, int b,
                               int nblocks, int vec) {
   const Layout& L = env.layout;
   const int me = env.rank, W = env.world, tid = threadIdx.x;
   const int64_t payload = L.hidden * L.elt, cap = L.cap;
+  const uint32_t nvec = uint32_t(payload / vec);
   const char* y = static_cast<const char*>(a.y);
+  peer_chunk_starts(env, a, sh);
   const Items plan = source_items(sh.src, W);
   const int64_t items = plan.count;
   const int G = plan.group;
@@ -99,26 +116,36 @@ RC_DEVICE void combine_sender(const Env& env, const CombineArgs& a, CombineShare
     if (tid < G) {
       const int64_t item = first + int64_t(tid) * nblocks;
       sh.item_src[tid] = -1;
+      int32_t nrows = 0;
       if (item < items) {
         int s;
         int64_t c;
         item_to_chunk(item, sh.src.nchunks, W, &s, &c);
         sh.item_src[tid] = s;
         sh.item_chunk[tid] = c;
-        chunk_rows(a, sh.src, cap, s, c, &sh.item_lo[tid], &sh.item_hi[tid]);
+        sh.item_lo[tid] = sh.start[c][s];
+        nrows = sh.start[c + 1][s] - sh.start[c][s];
       }
+      sh.item_first[tid + 1] = nrows > 0 ? nrows : 0;
     }
     block_sync();
-    for (int g = 0; g < G; ++g) {
+    if (tid == 0) {
+      sh.item_first[0] = 0;
+      for (int g = 0; g < G; ++g) sh.item_first[g + 1] += sh.item_first[g];
+    }
+    block_sync();
+    const int64_t rows = sh.item_first[G];
+    const RowGroups rg = row_groups(rows);
+    int g = 0;  // item of row r: rows ascend, so the search resumes where it stopped
+    for (int64_t r = rg.group; r < rows; r += rg.groups) {
+      while (int64_t(sh.item_first[g + 1]) <= r) ++g;
       const int s = sh.item_src[g];
-      if (s < 0) continue;
-      const int64_t lo = sh.item_lo[g];
-      with_vector(vec, [&](auto tag) {
-        block_copy_rows<typename decltype(tag)::type>(
-            sh.item_hi[g] - lo, payload / vec, [&](uint32_t r) { return y + (lo + r) * payload; },
-            [&](uint32_t r) { return uint32_t(row_token(a, sh.src, cap, s, lo + r) >= 0); },
-            [&](uint32_t r, int) { return L.combine_row(env.data[s], gen, me, row_token(a, sh.src, cap, s, lo + r)); });
-      });
+      const int64_t j = sh.item_lo[g] + (r - sh.item_first[g]);
+      const int64_t t = row_token(a, sh.src, cap, s, j);
+      if (t < 0) continue;
+      RankPtrs dst;
+      dst.p[0] = L.combine_row(env.data[s], gen, me, t);
+      with_vector(vec, [&](auto tag) { copy_row<typename decltype(tag)::type, true>(y + j * payload, dst, 1u, nvec, rg); });
     }
     block_sync();
     if (tid < G && sh.item_src[tid] >= 0)
@@ -127,64 +154,60 @@ RC_DEVICE void combine_sender(const Env& env, const CombineArgs& a, CombineShare
 }
 
 // Each token's output: its rows from every destination rank, summed in
-// ascending rank order (sum_one). Peers' rows come from the inbox; this
-// rank's own come straight from y. Thread (g, r) of a group waits for chunk
-// g's flag from peer r, while threads from kThreads / 2 (W * G never reaches
-// them) locate each chunk's own rows.
-static_assert(kMaxGpuWorld * kMaxGroup <= kThreads / 2, "combine waiters must leave the upper half-block free");
-static_assert(kGroupRows <= kMaxGpuChunkTokens, "a group of small chunks must fit CombineShared::own_row");
+// ascending rank order (sum_row). Peers' rows come from the inbox, at the
+// token's slot; this rank's own from y, at the token's place among its own
+// rows (the tokens before it with this rank's bit in send_mask: dispatch
+// laid the own rows out in token order). Block j takes a contiguous run of
+// chunks, a group of them at a time: thread (g, r) waits for chunk g's flag
+// from peer r, then the group's tokens are summed in batches of a block.
+static_assert(kMaxGpuWorld * kMaxGroup <= kThreads, "combine waiters fit a block");
 template <DType D>
 RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineShared& sh, uint64_t gen, int j,
                                 int nblocks, int vec) {
   const Layout& L = env.layout;
   const int me = env.rank, W = env.world, tid = threadIdx.x, nt = blockDim.x;
-  const int64_t payload = L.hidden * L.elt, own_base = int64_t(me) * L.cap;
+  const int64_t payload = L.hidden * L.elt, rows = int64_t(W) * L.cap;
   const int64_t T = a.ntok, C = ep_chunk_tokens(T), nch = ep_num_chunks(T);
   const int G = group_size(C);
   const char* y = static_cast<const char*>(a.y);
   char* out = static_cast<char*>(a.out);
-  // Row 0 until mapped: a handle whose send_mask and recv_src disagree then
-  // reads a wrong row of y, never memory outside it.
-  for (int i = tid; i < kMaxGpuChunkTokens; i += nt) sh.own_row[i] = 0;
-  for (int64_t first = j; first < nch; first += int64_t(nblocks) * G) {
+  const int64_t per = ceil_div(nch, nblocks), c0 = int64_t(j) * per, c1 = c0 + per < nch ? c0 + per : nch;
+  if (c0 >= c1) return;
+  chunk_row_starts(T, C, nch, 1, [&](int64_t t) { return uint32_t(a.send_mask[t]) >> me & 1u; }, sh.start);
+  const int64_t own_base = sh.src.offset[me];
+  if (tid == 0) sh.run[0] = sh.start[c0][0];
+  for (int64_t g0 = c0; g0 < c1; g0 += G) {
+    const int64_t g1 = g0 + G < c1 ? g0 + G : c1;
     const int g = tid / W, r = tid - g * W;
-    const int64_t c = first + int64_t(g) * nblocks;
     bool ok = true;
-    if (g < G && c < nch && r != me) ok = wait_flag(env, L.combine_flag(env.sig[me], gen, r, c), gen, kOpCombine, r);
-    const int q = tid - kThreads / 2;
-    if (q >= 0 && q < G && first + int64_t(q) * nblocks < nch)
-      chunk_rows(a, sh.src, L.cap, me, first + int64_t(q) * nblocks, &sh.item_lo[q], &sh.item_hi[q]);
+    if (g0 + g < g1 && r != me) ok = wait_flag(env, L.combine_flag(env.sig[me], gen, r, g0 + g), gen, kOpCombine, r);
     if (!block_all(ok)) return;
-    for (int gg = 0; gg < G; ++gg) {
-      const int64_t cc = first + int64_t(gg) * nblocks;
-      if (cc >= nch) break;
-      for (int32_t i = sh.item_lo[gg] + tid; i < sh.item_hi[gg]; i += nt) {
-        const int64_t k = a.recv_src[i] - own_base - cc * C;
-        if (k >= 0 && k < C) sh.own_row[gg * C + k] = i;
-      }
-    }
-    block_sync();
-    for (int gg = 0; gg < G; ++gg) {
-      const int64_t cc = first + int64_t(gg) * nblocks;
-      if (cc >= nch) break;
-      const int64_t t0 = cc * C, t1 = (cc + 1) * C < T ? (cc + 1) * C : T;
-      const int32_t* own = sh.own_row + gg * C;
-      auto sum_rows = [&](auto v_tag) {
-        using V = typename decltype(v_tag)::type;
-        const uint32_t n = uint32_t(payload / sizeof(V));
-        block_sum<D, V>(uint32_t((t1 - t0) * n), [&](uint32_t i, ConstRankPtrs& src, V*& dst, uint32_t& v) {
-          const uint32_t row = i / n;
-          const int64_t t = t0 + row;
-          const uint32_t m = uint32_t(a.send_mask[t]) & all_ranks(env);  // other bits: check_handle_rows
+    const int64_t t_end = g1 * C < T ? g1 * C : T;
+    for (int64_t b0 = g0 * C; b0 < t_end; b0 += nt) {
+      const int64_t t = b0 + tid;
+      const uint32_t m = t < t_end ? uint32_t(a.send_mask[t]) & all_ranks(env) : 0u;  // other bits: check_handle_rows
+      int32_t pos[kMaxGpuWorld];
+      batch_positions(m >> me & 1u, 1, pos, sh.warp_tot, sh.run);
+      sh.batch_mask[tid] = m;
+      // A handle whose send_mask and counts disagree reads a wrong row of y, never memory outside it.
+      sh.own_row[tid] = int32_t(own_base + pos[0] < rows ? own_base + pos[0] : rows - 1);
+      block_sync();
+      const int64_t batch = t_end - b0 < nt ? t_end - b0 : nt;
+      const RowGroups rg = row_groups(batch);
+      for (int64_t i = rg.group; i < batch; i += rg.groups) {
+        const int64_t tok = b0 + i;
+        const uint32_t tm = sh.batch_mask[i];
+        ConstRankPtrs src;
 #pragma unroll
-          for (int rr = 0; rr < kMaxGpuWorld; ++rr)
-            if (m >> rr & 1u) src.p[rr] = rr == me ? y + own[row] * payload : L.combine_row(env.data[me], gen, rr, t);
-          v = i - row * n;
-          dst = reinterpret_cast<V*>(out + t * payload) + v;
-          return m;
+        for (int rr = 0; rr < kMaxGpuWorld; ++rr)
+          if (tm >> rr & 1u)
+            src.p[rr] = rr == me ? y + int64_t(sh.own_row[i]) * payload : L.combine_row(env.data[me], gen, rr, tok);
+        with_row_vector<D>(vec, [&](auto tag) {
+          using V = typename decltype(tag)::type;
+          sum_row<D, V>(src, tm, out + tok * payload, uint32_t(payload / sizeof(V)), rg);
         });
-      };
-      if (vec == 16) sum_rows(VecTag<uint4>{}); else sum_rows(VecTag<typename Elem<D>::Raw>{});
+      }
+      block_sync();
     }
   }
 }
@@ -201,11 +224,15 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs 
     check_handle_rows(env, a, sh.src);
   } else {
     // Peers still wait for this rank's flags: the senders publish every chunk
-    // a peer can expect (its T <= cap) with no rows, and no receiver runs.
+    // a peer can expect (ep_max_chunks: it holds at most cap tokens) with no
+    // rows, and no receiver runs.
     load_sources(env, sh.src, [&](int, int64_t* ntok, int64_t* nrows) {
-      *ntok = ep_max_chunks(env.layout.cap);
+      *ntok = 0;
       *nrows = 0;
     });
+    if (int(threadIdx.x) < env.world && int(threadIdx.x) != env.rank)
+      sh.src.nchunks[threadIdx.x] = int32_t(ep_max_chunks(env.layout.cap));
+    block_sync();
   }
   if (int(blockIdx.x) < send_blocks) {
     combine_sender(env, a, sh, gen, blockIdx.x, send_blocks, vec);

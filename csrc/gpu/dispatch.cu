@@ -1,7 +1,10 @@
 // dispatch: sender blocks route this rank's tokens and push each row to its
 // destinations; receiver blocks take the peers' rows from the heap, chunk by
-// chunk, into the fresh outputs. A rank's own rows skip the heap.
-#include "device/copy.cuh"
+// chunk, into the fresh outputs. A rank's own rows skip the heap. Then every
+// block writes its share of the padding rows' routing (-1 ids, 0 weights);
+// the padding rows of x are left unwritten, so the work follows the routed
+// rows, not the capacity.
+#include "device/rows.cuh"
 #include "device/routing.cuh"
 #include "device/sync.cuh"
 
@@ -15,19 +18,26 @@ struct DispatchShared {
   int32_t warp_tot[kMaxWarps][kMaxGpuWorld];
   uint32_t batch_mask[kThreads];
   int32_t batch_pos[kThreads][kMaxGpuWorld];
-  Sources src;  // receiver: every source's header; sender: the lower ranks' row counts
+  Sources src;  // every source's header (receivers; every block before the padding); senders: lower ranks' counts
   int32_t item_src[kMaxGroup];
-  uint32_t item_row_start[kMaxGroup], item_nrows[kMaxGroup];
+  uint32_t item_row_start[kMaxGroup], item_first[kMaxGroup + 1];
 };
 
-// Where one dispatched row's routing goes: the destination's heap row, or,
-// for this rank's own rows, the output tensors themselves.
-struct RowMeta {
-  int32_t* ids;      // [K] local expert ids
-  float* weights;    // [K], or nullptr when the op has no weights
-  int32_t* src;      // the row's source slot
-  int32_t src_value;
-};
+RC_DEVICE float load_weight(const void* w, int64_t i, DType t) {
+  switch (t) {
+    case DType::kF32: return static_cast<const float*>(w)[i];
+    case DType::kBF16: return bf16_bits_to_float(static_cast<const uint16_t*>(w)[i]);
+    default: return f16_bits_to_float(static_cast<const uint16_t*>(w)[i]);
+  }
+}
+// Exact for every weight that came in that dtype (the heap carries fp32).
+RC_DEVICE void store_weight(void* w, int64_t i, DType t, float v) {
+  switch (t) {
+    case DType::kF32: static_cast<float*>(w)[i] = v; break;
+    case DType::kBF16: static_cast<uint16_t*>(w)[i] = float_to_bf16_bits(v); break;
+    default: static_cast<uint16_t*>(w)[i] = float_to_f16_bits(v); break;
+  }
+}
 
 template <typename IdxT, int KF>
 RC_DEVICE void dispatch_sender(const Env& env, const DispatchArgs& a, DispatchShared& sh, uint64_t gen, int b,
@@ -39,27 +49,11 @@ RC_DEVICE void dispatch_sender(const Env& env, const DispatchArgs& a, DispatchSh
   const int K = route.topk();
   const int64_t T = a.ntok, C = ep_chunk_tokens(T), nch = ep_num_chunks(T);
   const int64_t payload = L.hidden * L.elt;
+  const uint32_t nvec = uint32_t(payload / vec);
   const char* x = static_cast<const char*>(a.x);
+  IdxT* out_idx = static_cast<IdxT*>(a.out_idx);
 
-  // Rows per (chunk, destination) over all tokens, then prefix sums: every
-  // sender block derives the same table, so no block waits for another.
-  for (int i = tid; i < (kEpTargetChunks + 1) * kMaxGpuWorld; i += nt) (&sh.start[0][0])[i] = 0;
-  block_sync();
-  for (int64_t t = tid; t < T; t += nt) {
-    const uint32_t m = route.mask(t);
-    for (int d = 0; d < W; ++d)
-      if (m >> d & 1u) atomicAdd(&sh.start[t / C][d], 1);
-  }
-  block_sync();
-  if (tid < W) {
-    int32_t run = 0;
-    for (int64_t c = 0; c <= nch; ++c) {
-      const int32_t v = c < nch ? sh.start[c][tid] : 0;
-      sh.start[c][tid] = run;
-      run += v;
-    }
-  }
-  block_sync();
+  chunk_row_starts(T, C, nch, W, [&](int64_t t) { return route.mask(t); }, sh.start);
   // The header tells each destination how many tokens (hence chunks) and rows to expect.
   if (b == 0 && tid < W) {
     HeadSlot* head = L.dispatch_head(env.sig[tid], gen, me);
@@ -79,8 +73,10 @@ RC_DEVICE void dispatch_sender(const Env& env, const DispatchArgs& a, DispatchSh
     for (int s = 0; s < me; ++s) self_base += sh.src.nrows[s];
   };
 
-  // Rows of chunk c for the destinations in `dests`: each token's row is
-  // loaded once and stored to every destination it has among them.
+  // Rows of chunk c for the destinations in `dests`, a batch of nt tokens at
+  // a time: each token's row is loaded once and stored to every destination
+  // it has among them, then its routing (the local id where the slot's
+  // expert lives on the destination, else -1 and weight 0) and source token.
   auto send_chunk = [&](int64_t c, uint32_t dests) {
     const int64_t t_end = (c + 1) * C < T ? (c + 1) * C : T;
     if (tid < W) sh.run[tid] = sh.start[c][tid];
@@ -96,51 +92,53 @@ RC_DEVICE void dispatch_sender(const Env& env, const DispatchArgs& a, DispatchSh
       for (int d = 0; d < kMaxGpuWorld; ++d)
         if (d < W) sh.batch_pos[tid][d] = pos[d];
       block_sync();
-      const int batch = int(t_end - t0 < nt ? t_end - t0 : nt);
-      auto row_in = [&](uint32_t r, int d) {
-        return d == me ? out_x + (self_base + sh.batch_pos[r][d]) * payload
-                       : L.dispatch_row(env.data[d], gen, me, sh.batch_pos[r][d]);
-      };
-      auto meta_of = [&](uint32_t r, int d) {
-        if (d == me) {
-          const int64_t o = self_base + sh.batch_pos[r][d];
-          return RowMeta{a.out_idx + o * K, a.out_weights ? a.out_weights + o * K : nullptr, a.out_recv_src + o,
-                         int32_t(me * L.cap + t0 + r)};
-        }
-        char* row = row_in(r, d);
-        return RowMeta{L.row_ids(row), L.row_weights(row), L.row_token(row), int32_t(t0 + r)};
-      };
-      with_vector(vec, [&](auto tag) {
-        using V = typename decltype(tag)::type;
-        block_copy_rows<V>(
-            batch, payload / vec, [&](uint32_t r) { return x + (t0 + r) * payload; },
-            [&](uint32_t r) { return sh.batch_mask[r]; }, row_in);
-      });
-      // Routing metadata of every (token, slot): local id where the slot's
-      // expert lives on the destination, else -1 and weight 0.
-      for (int i = tid; i < batch * K; i += nt) {
-        const int r = i / K, k = i - r * K;
+      const int64_t batch = t_end - t0 < nt ? t_end - t0 : nt;
+      const RowGroups g = row_groups(batch);
+      for (int64_t r = g.group; r < batch; r += g.groups) {
         const uint32_t tm = sh.batch_mask[r];
         if (tm == 0) continue;
         const int64_t tok = t0 + r;
-        const int64_t e = int64_t(route.idx[tok * K + k]);
-        const int owner = expert_owner(e, a.num_experts, route.epr);
-        const float w = a.topk_weights ? a.topk_weights[tok * K + k] : 0.f;
+        // Destination d's row: this rank's output, or d's heap.
+        auto row_at = [&](int d) {
+          return d == me ? out_x + (self_base + sh.batch_pos[r][d]) * payload
+                         : L.dispatch_row(env.data[d], gen, me, sh.batch_pos[r][d]);
+        };
+        {
+          RankPtrs dst;
 #pragma unroll
-        for (int d = 0; d < kMaxGpuWorld; ++d) {
-          if (!(tm >> d & 1u)) continue;
-          const RowMeta m = meta_of(r, d);
-          m.ids[k] = owner == d ? int32_t(e - d * route.epr) : -1;
-          if (m.weights) m.weights[k] = owner == d ? w : 0.f;
+          for (int d = 0; d < kMaxGpuWorld; ++d)
+            if (tm >> d & 1u) dst.p[d] = row_at(d);
+          with_vector(vec, [&](auto tag) { copy_row<typename decltype(tag)::type, true>(x + tok * payload, dst, tm, nvec, g); });
         }
-      }
-      for (int r = tid; r < batch; r += nt) {
-        const uint32_t tm = sh.batch_mask[r];
+        for (int k = int(g.first); k < K; k += int(g.stride)) {
+          const int64_t e = int64_t(route.idx[tok * K + k]);
+          const int owner = expert_owner(e, a.num_experts, route.epr);
+          const float w = a.topk_weights ? load_weight(a.topk_weights, tok * K + k, a.weights_dtype) : 0.f;
 #pragma unroll
-        for (int d = 0; d < kMaxGpuWorld; ++d) {
-          if (!(tm >> d & 1u)) continue;
-          const RowMeta m = meta_of(r, d);
-          *m.src = m.src_value;
+          for (int d = 0; d < kMaxGpuWorld; ++d) {
+            if (!(tm >> d & 1u)) continue;
+            const int64_t id = owner == d ? e - d * route.epr : -1;
+            const float wd = owner == d ? w : 0.f;
+            if (d == me) {
+              const int64_t o = (self_base + sh.batch_pos[r][d]) * K + k;
+              out_idx[o] = IdxT(id);
+              if (a.out_weights) store_weight(a.out_weights, o, a.weights_dtype, wd);
+            } else {
+              char* row = row_at(d);
+              L.row_ids(row)[k] = int32_t(id);
+              L.row_weights(row)[k] = wd;
+            }
+          }
+        }
+        if (g.first == 0) {
+#pragma unroll
+          for (int d = 0; d < kMaxGpuWorld; ++d) {
+            if (!(tm >> d & 1u)) continue;
+            if (d == me)
+              a.out_recv_src[self_base + sh.batch_pos[r][d]] = int32_t(me * L.cap + tok);
+            else
+              *L.row_token(row_at(d)) = int32_t(tok);
+          }
         }
       }
       block_sync();
@@ -173,20 +171,30 @@ RC_DEVICE void dispatch_sender(const Env& env, const DispatchArgs& a, DispatchSh
   }
 }
 
-RC_DEVICE void dispatch_receiver(const Env& env, const DispatchArgs& a, DispatchShared& sh, uint64_t gen, int j,
-                                 int nblocks, int vec) {
+// Every source's header, once it has arrived, into sh.src (thread s reads
+// the counts of the header it acquired). False on a timeout.
+RC_DEVICE bool load_headers(const Env& env, DispatchShared& sh, uint64_t gen) {
   const Layout& L = env.layout;
-  const int me = env.rank, W = env.world, tid = threadIdx.x, nt = blockDim.x;
-  const int64_t payload = L.hidden * L.elt, K = L.topk, cap = L.cap, nvec = payload / vec;
-  char* out_x = static_cast<char*>(a.out_x);
-
-  auto head_of = [&](int s) { return L.dispatch_head(env.sig[me], gen, s); };
-  if (!block_wait_ranks(env, gen, kOpDispatch, all_ranks(env), [&](int s) { return &head_of(s)->gen; })) return;
-  // Thread s acquired source s's header, so it reads the counts.
+  auto head_of = [&](int s) { return L.dispatch_head(env.sig[env.rank], gen, s); };
+  if (!block_wait_ranks(env, gen, kOpDispatch, all_ranks(env), [&](int s) { return &head_of(s)->gen; })) return false;
   load_sources(env, sh.src, [&](int s, int64_t* ntok, int64_t* nrows) {
     *ntok = head_of(s)->ntok;
     *nrows = head_of(s)->nrows;
   });
+  return true;
+}
+
+template <typename IdxT>
+RC_DEVICE void dispatch_receiver(const Env& env, const DispatchArgs& a, DispatchShared& sh, uint64_t gen, int j,
+                                 int nblocks, int vec) {
+  const Layout& L = env.layout;
+  const int me = env.rank, W = env.world, tid = threadIdx.x;
+  const int64_t payload = L.hidden * L.elt, K = L.topk, cap = L.cap;
+  const uint32_t nvec = uint32_t(payload / vec);
+  char* out_x = static_cast<char*>(a.out_x);
+  IdxT* out_idx = static_cast<IdxT*>(a.out_idx);
+
+  if (!load_headers(env, sh, gen)) return;
   if (j == 0 && tid < W) {
     a.out_counts[tid] = sh.src.nrows[tid];
     a.out_src_tokens[tid] = sh.src.ntok[tid];
@@ -195,12 +203,13 @@ RC_DEVICE void dispatch_receiver(const Env& env, const DispatchArgs& a, Dispatch
   const Items plan = source_items(sh.src, W);
   const int64_t items = plan.count;
   const int G = plan.group;
-  // This block owns items j, j + nblocks, ...; it takes G of them at a time.
+  // This block owns items j, j + nblocks, ...; it takes G of them at a time,
+  // their rows as one batch (item_first: each item's first row in it).
   for (int64_t first = j; first < items; first += int64_t(nblocks) * G) {
     bool got = true;
     if (tid < G) {
       const int64_t item = first + int64_t(tid) * nblocks;
-      sh.item_nrows[tid] = 0;
+      uint32_t nrows = 0;
       if (item < items) {
         int s;
         int64_t c;
@@ -209,55 +218,67 @@ RC_DEVICE void dispatch_receiver(const Env& env, const DispatchArgs& a, Dispatch
         got = wait_flag(env, &slot->gen, gen, kOpDispatch, s);
         sh.item_src[tid] = s;
         sh.item_row_start[tid] = got ? slot->row_start : 0;
-        sh.item_nrows[tid] = got ? slot->nrows : 0;
+        nrows = got ? slot->nrows : 0;
       }
+      sh.item_first[tid + 1] = nrows;
     }
     if (!block_all(got)) return;
-    for (int g = 0; g < G; ++g) {
-      const int64_t nr = sh.item_nrows[g];
-      if (nr == 0) continue;
+    if (tid == 0) {
+      sh.item_first[0] = 0;
+      for (int g = 0; g < G; ++g) sh.item_first[g + 1] += sh.item_first[g];
+    }
+    block_sync();
+    const int64_t rows = sh.item_first[G];
+    const RowGroups rg = row_groups(rows);
+    int g = 0;  // item of row r: rows ascend, so the search resumes where it stopped
+    for (int64_t r = rg.group; r < rows; r += rg.groups) {
+      while (int64_t(sh.item_first[g + 1]) <= r) ++g;
       const int s = sh.item_src[g];
-      const int64_t r0 = sh.item_row_start[g], o0 = sh.src.offset[s] + r0;
-      auto row = [&](int64_t r) { return L.dispatch_row(env.data[me], gen, s, r0 + r); };
-      block_copy_each_row(
-          nr, payload, vec, [&](uint32_t r) { return static_cast<const char*>(row(r)); },
-          [&](uint32_t r) { return out_x + (o0 + r) * payload; });
-      for (int64_t i = tid; i < nr * K; i += nt) {
-        const int64_t r = i / K, k = i - r * K;
-        a.out_idx[(o0 + r) * K + k] = L.row_ids(row(r))[k];
-        if (a.out_weights) a.out_weights[(o0 + r) * K + k] = L.row_weights(row(r))[k];
+      const int64_t hr = sh.item_row_start[g] + (r - sh.item_first[g]);  // the source's row
+      const int64_t o = sh.src.offset[s] + hr;                           // its output row
+      const char* row = L.dispatch_row(env.data[me], gen, s, hr);
+      RankPtrs dst;
+      dst.p[0] = out_x + o * payload;
+      with_vector(vec, [&](auto tag) { copy_row<typename decltype(tag)::type, false>(row, dst, 1u, nvec, rg); });
+      for (int k = int(rg.first); k < K; k += int(rg.stride)) {
+        out_idx[o * K + k] = IdxT(L.row_ids(const_cast<char*>(row))[k]);
+        if (a.out_weights) store_weight(a.out_weights, o * K + k, a.weights_dtype, L.row_weights(const_cast<char*>(row))[k]);
       }
-      for (int64_t r = tid; r < nr; r += nt) a.out_recv_src[o0 + r] = int32_t(s * cap + *L.row_token(row(r)));
+      if (rg.first == 0) a.out_recv_src[o] = int32_t(s * cap + *L.row_token(const_cast<char*>(row)));
     }
     block_sync();
   }
+}
 
-  // Padding rows after the received ones, a contiguous share per block:
-  // zeros, -1 ids, 0 weights, -1 source.
-  const int64_t pad0 = sh.src.offset[W], npad = int64_t(W) * cap - pad0, per = ceil_div(npad, nblocks);
-  const int64_t p0 = pad0 + int64_t(j) * per, p1 = p0 + per < pad0 + npad ? p0 + per : pad0 + npad;
-  if (p1 > p0) {
-    with_vector(vec, [&](auto tag) {
-      using V = typename decltype(tag)::type;
-      V* rows = reinterpret_cast<V*>(out_x + p0 * payload);
-      for (int64_t i = tid; i < (p1 - p0) * nvec; i += nt) rows[i] = V{};
-    });
-    for (int64_t i = tid; i < (p1 - p0) * K; i += nt) {
-      a.out_idx[p0 * K + i] = -1;
-      if (a.out_weights) a.out_weights[p0 * K + i] = 0.f;
-    }
-    for (int64_t r = p0 + tid; r < p1; r += nt) a.out_recv_src[r] = -1;
+// Padding rows [received, W*cap), a contiguous share per block of the grid:
+// -1 ids, 0 weights, -1 source. Their x is not written (unspecified).
+template <typename IdxT>
+RC_DEVICE void dispatch_padding(const Env& env, const DispatchArgs& a, const Sources& src) {
+  const int64_t K = env.layout.topk, rows = int64_t(env.world) * env.layout.cap;
+  const int64_t pad0 = src.offset[env.world], per = ceil_div(rows - pad0, gridDim.x);
+  const int64_t p0 = pad0 + int64_t(blockIdx.x) * per, p1 = p0 + per < rows ? p0 + per : rows;
+  if (p1 <= p0) return;
+  IdxT* out_idx = static_cast<IdxT*>(a.out_idx);
+  for (int64_t i = p0 * K + threadIdx.x; i < p1 * K; i += blockDim.x) {
+    out_idx[i] = IdxT(-1);
+    if (a.out_weights) store_weight(a.out_weights, i, a.weights_dtype, 0.f);
   }
+  for (int64_t r = p0 + threadIdx.x; r < p1; r += blockDim.x) a.out_recv_src[r] = -1;
 }
 
 template <typename IdxT, int KF>
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(Env env, DispatchArgs a, int send_blocks, int vec) {
   __shared__ DispatchShared sh;
   const uint64_t gen = op_generation(env, kOpDispatch);
-  if (int(blockIdx.x) < send_blocks)
+  const bool sender = int(blockIdx.x) < send_blocks;
+  if (sender)
     dispatch_sender<IdxT, KF>(env, a, sh, gen, blockIdx.x, send_blocks, vec);
   else
-    dispatch_receiver(env, a, sh, gen, blockIdx.x - send_blocks, gridDim.x - send_blocks, vec);
+    dispatch_receiver<IdxT>(env, a, sh, gen, blockIdx.x - send_blocks, gridDim.x - send_blocks, vec);
+  // Receivers hold every header already; a sender's wait here finds them
+  // arrived (every rank publishes its headers before it waits for anything).
+  block_sync();
+  if ((!sender || load_headers(env, sh, gen)) && load_relaxed_sys(env.error) == 0) dispatch_padding<IdxT>(env, a, sh.src);
   finish_op(env, kOpDispatch, gen);
 }
 

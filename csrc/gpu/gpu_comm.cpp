@@ -215,12 +215,13 @@ class GpuComm final : public Comm {
     a.x = x.data_ptr();
     a.topk_idx = topk_idx.data_ptr();
     a.idx_is_int64 = topk_idx.scalar_type() == at::kLong;
-    a.topk_weights = topk_weights ? topk_weights->data_ptr<float>() : nullptr;
+    a.topk_weights = topk_weights ? topk_weights->data_ptr() : nullptr;
+    a.weights_dtype = dtype_of(topk_weights ? topk_weights->scalar_type() : at::kFloat);
     a.ntok = x.size(0);
     a.num_experts = cfg_.num_experts;
     a.out_x = out.x.data_ptr();
-    a.out_idx = out.topk_idx.data_ptr<int32_t>();
-    a.out_weights = topk_weights ? out.topk_weights.data_ptr<float>() : nullptr;
+    a.out_idx = out.topk_idx.data_ptr();
+    a.out_weights = topk_weights ? out.topk_weights.data_ptr() : nullptr;
     a.out_counts = out.counts.data_ptr<int32_t>();
     a.out_recv_src = out.recv_src.data_ptr<int32_t>();
     a.out_src_tokens = out.src_tokens.data_ptr<int32_t>();
@@ -245,20 +246,27 @@ class GpuComm final : public Comm {
  private:
   // Stream order. A kernel reads its generation at start and its last block
   // stores it back (device/sync.cuh), so a kernel of this communicator may
-  // start only once the one before it, on whatever stream, has finished:
-  // every launch waits on last_launch_, which the launch before it recorded.
-  // Under capture both are external graph nodes, so a replay waits for the
-  // launch before it, and the launch after a replay waits for the replay.
+  // start only once the one before it, on whatever stream, has finished.
+  // Every launch records last_launch_ after it, so a launch on another
+  // stream, or a graph replayed later, can wait for it. Under capture the
+  // record and the wait are external graph nodes, so a replay waits for the
+  // launch before it, and the launch after a replay waits for the replay
+  // (which the host does not see: replays may run on any stream). A launch
+  // skips the wait only where stream order already holds: the previous
+  // launch was on the same stream and no launch was ever captured.
   template <typename Launch>
   void in_stream_order(Launch&& launch) {
     c10::cuda::CUDAGuard guard(cfg_.device_index);
     const Stream s = c10::cuda::getCurrentCUDAStream(cfg_.device_index).stream();
     bool capturing = false;
     RC_GPU_CHECK(stream_is_capturing(s, &capturing));
-    RC_GPU_CHECK(stream_wait_event(s, last_launch_, capturing));
+    ever_captured_ = ever_captured_ || capturing;
+    if (!launched_ || s != last_stream_ || ever_captured_) RC_GPU_CHECK(stream_wait_event(s, last_launch_, capturing));
     launch(s);
     RC_GPU_CHECK(get_last_error());
     RC_GPU_CHECK(event_record(last_launch_, s, capturing));
+    launched_ = true;
+    last_stream_ = s;
   }
 
   void launch_rmsnorm(const RmsNormRows& c, bool one_stage, bool local) {
@@ -302,6 +310,9 @@ class GpuComm final : public Comm {
   uint64_t* error_host_ = nullptr;
   int32_t* probe_result_ = nullptr;
   Event last_launch_ = nullptr;
+  bool launched_ = false;
+  Stream last_stream_ = nullptr;  // of the last launch, once launched_
+  bool ever_captured_ = false;
   std::thread watchdog_;
   std::mutex watchdog_mutex_;
   std::condition_variable watchdog_wake_;

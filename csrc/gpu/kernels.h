@@ -42,18 +42,22 @@ struct AllReduceArgs {
   bool one_shot;
 };
 
+// Routing in and out in the caller's dtypes: ids int32 or int64 (both
+// topk_idx and out_idx), weights fp32, bf16 or fp16 (both topk_weights and
+// out_weights); the heap rows carry int32 ids and fp32 weights.
 struct DispatchArgs {
   const void* x;         // [T, H]
-  const void* topk_idx;  // [T, K] int32 or int64
+  const void* topk_idx;  // [T, K]
   bool idx_is_int64;
-  const float* topk_weights;  // [T, K] or nullptr
+  const void* topk_weights;  // [T, K] of weights_dtype, or nullptr
+  DType weights_dtype;
   int64_t ntok;
   int64_t num_experts;
-  void* out_x;            // [W*cap, H]
-  int32_t* out_idx;       // [W*cap, K]
-  float* out_weights;     // [W*cap, K] or nullptr
-  int32_t* out_counts;    // [W]
-  int32_t* out_recv_src;  // [W*cap]
+  void* out_x;              // [W*cap, H]; rows past the received ones are left unwritten
+  void* out_idx;            // [W*cap, K]
+  void* out_weights;        // [W*cap, K] of weights_dtype, or nullptr
+  int32_t* out_counts;      // [W]
+  int32_t* out_recv_src;    // [W*cap]
   int32_t* out_src_tokens;  // [W]
   int32_t* out_send_mask;   // [T]
 };

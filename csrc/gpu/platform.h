@@ -232,14 +232,41 @@ RC_DEVICE uint64_t warp_ballot(bool pred) {
 #endif
 }
 RC_DEVICE int popcount64(uint64_t v) { return __popcll(v); }
+// Value of `v` on lane (this lane - delta) of the warp; this lane's own below delta.
+RC_DEVICE int32_t warp_shfl_up(int32_t v, int delta) {
+#ifdef RC_HIP
+  return __shfl_up(v, static_cast<unsigned int>(delta));
+#else
+  return __shfl_up_sync(0xffffffffu, v, delta);
+#endif
+}
+
+// Loads of memory that nothing writes while the kernel runs (an op's input
+// tensors, never the heap, which peers write during the op): on NVIDIA
+// through the read-only path, which leaves L1 to the rest. 16, 8, 4, 2 or 1
+// bytes.
+template <typename V>
+RC_DEVICE V load_input(const V* p) {
+#ifdef RC_HIP
+  return *p;
+#else
+  return __ldg(p);
+#endif
+}
 
 // Bit-exact IEEE conversions, matching torch's CPU rounding (round to
 // nearest even; bf16 NaN -> 0x7FC0).
 RC_DEVICE float bf16_bits_to_float(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
 RC_DEVICE uint16_t float_to_bf16_bits(float f) {
-  uint32_t u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  const uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // the hardware's NaN is 0x7FFF
+#if !defined(RC_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint16_t b;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(f));
+  return b;
+#else
   return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+#endif
 }
 RC_DEVICE float f16_bits_to_float(uint16_t b) {
 #ifdef RC_HIP

@@ -58,14 +58,24 @@ def assert_same(actual: torch.Tensor, expected: torch.Tensor, what: str = "tenso
         raise AssertionError(f"{what}: {len(bad)} of {a.numel()} elements differ bitwise; {where}")
 
 
+def received_rows(d) -> torch.Tensor:
+    """The rows of a Dispatched's ``x`` that carry tokens: ``x[:counts.sum()]``
+    (the rows after them are unspecified). Reads the counts on the host."""
+    return d.x[: int(d.counts.sum())]
+
+
 def assert_dispatched(actual, expected, what: str = "", cols: Optional[int] = None) -> None:
     """Every field of a Dispatched and of its handle bitwise equal to the
-    expected one (e.g. from rdna4_comm.reference.dispatch). With ``cols``, the
-    expected rows hold only the first ``cols`` columns of the payload, and
-    only those columns of ``actual.x`` are compared."""
-    x, part = (actual.x, "") if cols is None else (actual.x[:, :cols], f"[:, :{cols}]")
+    expected one (e.g. from rdna4_comm.reference.dispatch), the payload on its
+    received rows (padding rows of ``x`` are unspecified; their routing is
+    compared: -1 ids, 0 weights). With ``cols``, the expected rows hold only
+    the first ``cols`` columns of the payload, and only those columns of
+    ``actual.x`` are compared."""
     assert_same(actual.counts, expected.counts, f"{what} counts")
-    assert_same(x, expected.x, f"{what} x{part}")
+    assert actual.x.shape == expected.x.shape, f"{what} x: shape {tuple(actual.x.shape)} != {tuple(expected.x.shape)}"
+    x, want = received_rows(actual), received_rows(expected)
+    x, part = (x, "") if cols is None else (x[:, :cols], f"[:, :{cols}]")
+    assert_same(x, want, f"{what} x[:num_recv]{part}")
     assert_same(actual.topk_idx, expected.topk_idx, f"{what} topk_idx")
     if expected.topk_weights is None:
         assert actual.topk_weights is None, f"{what}: weights returned without weights given"
