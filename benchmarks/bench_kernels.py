@@ -9,8 +9,10 @@ Common to every row: top-8 of 256 experts, distinct and uniform per token
 topk_idx [T, 8] int64, topk_weights [T, 8] bf16; payload x [T, H] bf16
 (rdna4_comm._bench.checks.pattern); capacity cap = T unless a row says
 otherwise. Dispatch returns x [cap, H] bf16, topk_idx [cap, 8] int64,
-topk_weights [cap, 8] bf16, counts [1] int32; combine takes y [cap, H] bf16
-(the dispatched x, unchanged: no expert step) and returns [T, H] bf16.
+topk_weights [cap, 8] bf16, counts [1] int32 and a handle (recv_src [cap],
+counts [1], src_tokens [1], send_mask [T], all int32); combine takes y
+[cap, H] bf16 (the dispatched x, unchanged: no expert step) and the handle,
+and returns [T, H] bf16.
 
 GPU rows (defaults; "ratio" is rdna4_comm / baseline, a target bounds it
 from above):
@@ -48,8 +50,8 @@ Method.
   call's time is the sum of the durations of the device activities
   (kernels, memcpys, memsets) launched inside its range (the launching ops
   found through the profiler's correlation ids, else by time). Reported:
-  p50 over rounds x calls; the backends alternate order call by call, and
-  the order flips every round.
+  p50 over rounds x calls; op and baseline take turns call by call, in an
+  order that flips every round.
 - Graph replay (rows 3-5, GPU): dispatch + combine captured in one
   torch.cuda.CUDAGraph (rdna4_comm._bench.timing's clock: eager warm-up on a
   side stream first), each replay between CUDA events; p50; its result is
