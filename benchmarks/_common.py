@@ -1,6 +1,7 @@
-"""What bench_allreduce.py and bench_ep.py share: the command line, the JSONL
-results file (header first, never overwritten) and the progress bar. The
-world, the timing and the reports are rdna4_comm._bench's.
+"""What the benchmarks share: the command line, the JSONL results file
+(header first, never overwritten) and the progress bar. The world, the
+timing and the reports are rdna4_comm._bench's. bench_kernels.py, which runs
+in one process of its own, uses :func:`results_path` and :func:`header` only.
 
 Results file: one JSON object per line. The first is the header (``"type":
 "header"``: versions, device, world size, transport, timestamp, command
@@ -32,7 +33,8 @@ ROUNDS_SAMPLES = {  # (rounds, samples) unless given
 }
 
 
-def parse_args(description: str, argv=None) -> argparse.Namespace:
+def parse_args(description: str, argv=None, extra=None) -> argparse.Namespace:
+    """The shared command line; ``extra(parser)``, if given, adds a benchmark's own options."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a small subset of configurations (a few seconds on CPUs)")
     p.add_argument("--transport", choices=("auto", "cpu", "gpu"), default="auto",
@@ -48,6 +50,8 @@ def parse_args(description: str, argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, nargs="+", help="only these hidden sizes")
     p.add_argument("--out", type=Path,
                    help="results file (.jsonl); refuses to overwrite (default: results/<bench>-<transport>-w<W>-<time>.jsonl)")
+    if extra is not None:
+        extra(p)
     args = p.parse_args(argv)
     for name in ("world", "rounds", "samples"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -55,10 +59,11 @@ def parse_args(description: str, argv=None) -> argparse.Namespace:
     return args
 
 
-def select(configs, args) -> list[tuple[int, int]]:
-    """The (tokens, hidden) configurations that pass --tokens/--hidden."""
-    return [(t, h) for t, h in configs
-            if (args.tokens is None or t in args.tokens) and (args.hidden is None or h in args.hidden)]
+def select(configs, args) -> list[tuple]:
+    """The configurations that pass --tokens/--hidden: tuples that start with
+    (tokens, hidden), kept whole (bench_ep's carry a capacity too)."""
+    return [c for c in configs
+            if (args.tokens is None or c[0] in args.tokens) and (args.hidden is None or c[1] in args.hidden)]
 
 
 class _PlainProgress:
@@ -100,6 +105,24 @@ def _git_commit() -> str | None:
         return None
 
 
+def results_path(name: str, out: Path | None, transport: str, world: int) -> Path | None:
+    """The results file: ``out``, or results/<name>-<transport>-w<world>-<time>.jsonl;
+    None, with the reason on stderr, when it exists already (never overwritten)."""
+    out = out or Path("results") / f"{name}-{transport}-w{world}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    if out.exists():
+        print(f"{name}: {out} exists; refusing to overwrite it (choose another --out)", file=sys.stderr)
+        return None
+    return out
+
+
+def header(name: str, info: dict, **fields) -> dict:
+    """The results file's first line: ``info`` (rdna4_comm._bench.world.describe),
+    ``fields``, the time, the git commit and the command line."""
+    return {"type": "header", "benchmark": name, **info, **fields,
+            "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git_commit": _git_commit(),
+            "command": shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))}
+
+
 def _worker(ctx, bench_worker, configs, rounds, samples) -> None:
     ctx.emit({"info": describe(ctx)})
     bench_worker(ctx, configs, rounds, samples)
@@ -112,7 +135,7 @@ def main(name: str, description: str, full, quick, bench_worker, argv=None) -> i
     return run(name, args, select(quick if args.quick else full, args), bench_worker)
 
 
-def run(name: str, args: argparse.Namespace, configs: list[tuple[int, int]], bench_worker) -> int:
+def run(name: str, args: argparse.Namespace, configs: list[tuple], bench_worker) -> int:
     """Run ``bench_worker(ctx, configs, rounds, samples)`` in a world chosen by
     ``args`` and record what it emits: rank 0 emits one record per
     configuration (see rdna4_comm._bench.cases.record) and notes. Returns the exit
@@ -127,9 +150,8 @@ def run(name: str, args: argparse.Namespace, configs: list[tuple[int, int]], ben
         return 2
     default_rounds, default_samples = ROUNDS_SAMPLES["quick" if args.quick else transport]
     rounds, samples = args.rounds or default_rounds, args.samples or default_samples
-    out = args.out or Path("results") / f"{name}-{transport}-w{world}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
-    if out.exists():
-        print(f"{name}: {out} exists; refusing to overwrite it (choose another --out)", file=sys.stderr)
+    out = results_path(name, args.out, transport, world)
+    if out is None:
         return 2
     out.parent.mkdir(parents=True, exist_ok=True)
     print(f"{name}: {len(configs)} configurations, {world} {transport.upper()} processes, "
@@ -145,10 +167,8 @@ def run(name: str, args: argparse.Namespace, configs: list[tuple[int, int]], ben
 
         def on_message(msg: dict) -> None:
             if "info" in msg:
-                write({"type": "header", "benchmark": name, **msg["info"], "rounds": rounds, "samples": samples,
-                       "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git_commit": _git_commit(),
-                       "command": shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
-                       "ratio": "p50 of the backend / p50 of rdna4_comm (> 1: rdna4_comm is faster)"})
+                write(header(name, msg["info"], rounds=rounds, samples=samples,
+                             ratio="p50 of the backend / p50 of rdna4_comm (> 1: rdna4_comm is faster)"))
             elif "note" in msg:
                 bar.write(f"note: {msg['note']}")
                 write({"type": "note", "text": msg["note"]})
@@ -177,7 +197,7 @@ def run(name: str, args: argparse.Namespace, configs: list[tuple[int, int]], ben
 
 def _rows(rec: dict) -> list[dict]:
     """The result lines of one configuration record."""
-    shape = {k: rec[k] for k in ("op", "tokens", "hidden", "dtype", "bytes")}
+    shape = {k: rec[k] for k in ("op", "tokens", "hidden", "cap", "dtype", "bytes") if k in rec}
     return [{"type": "result", **shape, "backend": b, "detail": rec["details"][b], **asdict(s),
              "ratio": speedup(rec["stats"], b)}
             for b, s in rec["stats"].items()]

@@ -6,16 +6,24 @@ on GPUs, gloo on CPU processes).
 
 Sweep: hidden {2048, 3072, 4096, 5120, 7168, 8192} x tokens per rank {8, 32,
 64, 128, 256, 512, 1024, 4096, 8192, 16384}; top-8 of 256 experts, distinct
-and uniform per token; bf16; fp32 routing weights; capacity = tokens (one
-communicator per configuration). No expert step is timed: combine gets the
-dispatched rows unchanged, and the baseline reduce-scatters the gathered hidden
-states. Both are checked before timing (rdna4_comm against
-rdna4_comm.reference; see rdna4_comm._bench.cases.ep_ops).
+and uniform per token; bf16 x [T, H]; int32 ids and fp32 routing weights
+[T, 8]; capacity = tokens (one communicator per configuration). Plus, at every
+hidden size, a decode step on a prefill-sized communicator: 8 tokens with
+capacity 4096 (op "dispatch+combine (cap 4096)"), whose dispatch returns
+[W*4096, H] buffers of which 8 rows per source are valid. No expert step is
+timed: combine gets the dispatched rows unchanged, and the baseline
+reduce-scatters the gathered hidden states. Both are checked before timing
+(rdna4_comm against rdna4_comm.reference; see rdna4_comm._bench.cases.ep_ops).
 See benchmarks/_common.py for the results file.
+
+--cap N fixes every communicator's capacity at N (>= every token count
+selected, so give --tokens with it) instead of = tokens; configurations whose
+capacity differs from their token count are named "dispatch+combine (cap N)".
 
     python benchmarks/bench_ep.py                  # every GPU, or 2 CPU processes
     python benchmarks/bench_ep.py --quick --transport cpu
     python benchmarks/bench_ep.py --hidden 7168 --tokens 8 128 --out r.jsonl
+    python benchmarks/bench_ep.py --hidden 7168 --tokens 8 --cap 4096
 """
 import sys
 
@@ -28,24 +36,51 @@ from rdna4_comm._bench.timing import measure
 
 HIDDEN = (2048, 3072, 4096, 5120, 7168, 8192)
 TOKENS = (8, 32, 64, 128, 256, 512, 1024, 4096, 8192, 16384)
-FULL = [(t, h) for h in HIDDEN for t in TOKENS]
-QUICK = [(t, h) for h in (256, 512) for t in (8, 32, 128)]
+DECODE_TOKENS, DECODE_CAP = 8, 4096
+# (tokens, hidden, capacity); capacity None: = tokens.
+FULL = [(t, h, None) for h in HIDDEN for t in TOKENS] + [(DECODE_TOKENS, h, DECODE_CAP) for h in HIDDEN]
+QUICK = [(t, h, None) for h in (256, 512) for t in (8, 32, 128)]
 DTYPE = torch.bfloat16
 
 
+def op_name(tokens: int, cap: int) -> str:
+    """The record's op: "dispatch+combine", or with the capacity where it is not the token count."""
+    return "dispatch+combine" if cap == tokens else f"dispatch+combine (cap {cap})"
+
+
 def worker(ctx, configs, rounds, samples) -> None:
-    """One rank's sweep: per configuration, a communicator with capacity =
-    tokens, the check and timing of both backends, the record; everything
-    freed before the next configuration (the large ones take GiBs)."""
-    for tokens, hidden in configs:
-        with Communicator(ctx.cpu_group, max_tokens_per_rank=tokens, hidden=hidden, topk=EP_TOPK,
+    """One rank's sweep: per configuration, a communicator with its capacity
+    (= tokens unless given), the check and timing of both backends, the
+    record; everything freed before the next configuration (the large ones
+    take GiBs)."""
+    for tokens, hidden, cap in configs:
+        cap = tokens if cap is None else cap
+        with Communicator(ctx.cpu_group, max_tokens_per_rank=cap, hidden=hidden, topk=EP_TOPK,
                           num_experts=EP_EXPERTS, dtype=DTYPE, transport=ctx.transport) as comm:
             ops = ep_ops(ctx, comm, tokens)
             stats = measure(ctx, ops, rounds=rounds, samples=samples)
-            ctx.emit(record("dispatch+combine", tokens, hidden, DTYPE, ops, stats))
+            ctx.emit(record(op_name(tokens, cap), tokens, hidden, DTYPE, ops, stats, cap=cap))
             del ops
         ctx.release()
 
 
+def add_cap(parser) -> None:
+    parser.add_argument("--cap", type=int, help="capacity (max_tokens_per_rank) of every communicator, "
+                        ">= every token count (default: = tokens; the full sweep adds 8 tokens at cap 4096)")
+
+
+def main(argv=None) -> int:
+    args = _common.parse_args(__doc__, argv, extra=add_cap)
+    configs = _common.select(QUICK if args.quick else FULL, args)
+    if args.cap is not None:
+        too_many = sorted({t for t, _, _ in configs if t > args.cap})
+        if args.cap < 1 or too_many:
+            print(f"bench_ep: --cap {args.cap} must be >= 1 and >= every token count "
+                  f"(selected token counts above it: {too_many}; choose them with --tokens)", file=sys.stderr)
+            return 2
+        configs = list(dict.fromkeys((t, h, args.cap) for t, h, _ in configs))
+    return _common.run("bench_ep", args, configs, worker)
+
+
 if __name__ == "__main__":
-    sys.exit(_common.main("bench_ep", __doc__, FULL, QUICK, worker))
+    sys.exit(main())

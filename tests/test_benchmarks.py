@@ -1,10 +1,14 @@
-"""The demo and both benchmarks, end to end on CPU processes (--quick), as a
+"""The demo and the benchmarks, end to end on CPU processes (--quick), as a
 user runs them: they succeed, the results file has its header and positive
-times, an existing results file is never overwritten, the heatmap is saved."""
+times, an existing results file is never overwritten, the heatmap is saved.
+Plus bench_ep's --cap, and bench_kernels.py on the CPU transport with the
+parsers of its GPU-only paths (torch.profiler events, ncu's CSV) on
+recorded-format inputs."""
 from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +65,208 @@ def test_quick_benchmark(tmp_path, script, op, backends):
     again = run(*cmd)
     assert again.returncode != 0 and "refusing to overwrite" in again.stderr
     assert out.read_bytes() == before
+
+
+def test_bench_ep_cap_runs_a_decode_step_on_a_larger_capacity(tmp_path):
+    out = tmp_path / "ep_cap.jsonl"
+    cmd = [str(ROOT / "benchmarks" / "bench_ep.py"), "--quick", *FAST, "--tokens", "8", "--hidden", "256",
+           "--cap", "64", "--out", str(out)]
+    r = run(*cmd)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [x for x in map(json.loads, out.read_text().splitlines()) if x["type"] == "result"]
+    assert {x["backend"] for x in rows} == {"rdna4_comm", "gloo"}
+    for x in rows:
+        assert x["op"] == "dispatch+combine (cap 64)" and (x["tokens"], x["hidden"], x["cap"]) == (8, 256, 64)
+        assert 0 < x["p50_us"]
+    assert "dispatch+combine (cap 64)" in r.stdout and "cap 64" in r.stdout
+
+    bad = run(str(ROOT / "benchmarks" / "bench_ep.py"), "--quick", *FAST, "--tokens", "8", "128", "--cap", "64",
+              "--out", str(tmp_path / "bad.jsonl"))
+    assert bad.returncode == 2 and "--cap 64 must be" in bad.stderr and not (tmp_path / "bad.jsonl").exists()
+
+
+BENCH_KERNELS_ROWS = 7
+
+
+def test_bench_kernels_on_cpu(tmp_path):
+    """bench_kernels.py end to end on the CPU transport: every row, checked,
+    with positive times and ratios, the header, no overwrite."""
+    out = tmp_path / "kernels.jsonl"
+    cmd = [str(ROOT / "benchmarks" / "bench_kernels.py"), "--device", "cpu", "--quick", "--out", str(out)]
+    r = run(*cmd)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+    table = [line for line in r.stdout.splitlines() if re.match(r"^\d+\s{2}", line)]
+    assert [int(line.split()[0]) for line in table] == list(range(1, BENCH_KERNELS_ROWS + 1)), r.stdout
+    for words in ("dispatch T=256 H=512 cap=256", "combine T=256 H=512 cap=256", "dispatch+combine T=8 H=256",
+                  "dispatch+combine T=64 H=512", "decode d+c T=8 H=512 cap=256 vs cap=8",
+                  "host: eager dispatch T=8 H=512", "host: eager combine T=8 H=512"):
+        assert words in r.stdout
+    assert "<= 1.3x" in r.stdout and "<= 8 us" in r.stdout and "<= 1.25x" in r.stdout and "<= 2.5x" in r.stdout
+    assert "not judged on CPUs" in r.stdout
+
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    header, rows = lines[0], [x for x in lines if x["type"] == "result"]
+    assert header["type"] == "header" and header["benchmark"] == "bench_kernels"
+    assert header["world_size"] == 1 and header["transport"] == "cpu"
+    assert {"torch", "rdna4_comm", "python"} <= set(header["versions"])
+    assert header["device"] and header["timestamp"] and "bench_kernels.py" in header["command"]
+    assert [x["row"] for x in rows] == list(range(1, BENCH_KERNELS_ROWS + 1))
+    for x in rows:
+        own = x["rdna4_comm"]
+        assert 0 < own["p10_us"] <= own["p50_us"] <= own["p90_us"] and own["samples"] > 0
+        assert x["met"] is None  # GPU targets: not judged on CPUs
+        if x["row"] in (3, 4):
+            assert x["baseline"] is None and x["ratio"] is None and x["target_kind"] == "us"
+        else:
+            assert x["baseline"]["p50_us"] > 0 and x["target_kind"] == "ratio"
+            assert x["ratio"] == pytest.approx(own["p50_us"] / x["baseline"]["p50_us"]) and x["ratio"] > 0
+    assert [x["measure"] for x in rows] == ["device"] * 5 + ["host"] * 2
+    assert rows[4]["cap"] == 256 and rows[4]["baseline"]["op"] == "dc_decode"
+
+    before = out.read_bytes()
+    again = run(*cmd)
+    assert again.returncode != 0 and "refusing to overwrite" in again.stderr
+    assert out.read_bytes() == before
+
+
+def _bench_kernels_module():
+    """benchmarks/bench_kernels.py as a module (for its GPU-only parsers)."""
+    if "bench_kernels" not in sys.modules:
+        sys.path.insert(0, str(ROOT / "benchmarks"))  # its "import _common"
+        spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "benchmarks" / "bench_kernels.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_kernels"] = module  # before it runs: its dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules["bench_kernels"]
+
+
+ELEMENTWISE = ("void at::native::vectorized_elementwise_kernel<4, at::native::direct_copy_kernel_cuda("
+               "at::TensorIteratorBase &)::{lambda()#3}::operator()() const::{lambda(float)#1}, "
+               "std::array<char *, 2UL>>(int, T2, T3)")
+DISPATCH = ("rdna4_comm::gpu::(anonymous namespace)::dispatch_kernel(rdna4_comm::gpu::Env, "
+            "rdna4_comm::gpu::DispatchArgs, int, int)")
+COMBINE = ("rdna4_comm::gpu::(anonymous namespace)::combine_kernel(rdna4_comm::gpu::Env, "
+           "rdna4_comm::gpu::CombineArgs, int, int)")
+
+
+def test_bench_kernels_reads_ncu_csv_and_matches_its_kernels_to_the_ops():
+    bk = _bench_kernels_module()
+    assert bk.function_base(ELEMENTWISE) == "vectorized_elementwise_kernel"
+    assert bk.function_base(DISPATCH) == "dispatch_kernel" and bk.function_base("combine_kernel") == "combine_kernel"
+
+    cols = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream", "Block Size",
+            "Grid Size", "Device", "CC", "dram__bytes.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+            "gpu__time_duration.sum", "smsp__inst_executed.sum"]
+
+    def line(values):
+        return ",".join(f'"{v}"' for v in values)
+
+    def kernel(i, name, nbytes, pct, ns, inst):
+        return line([i, "99", "python3", "host", name, "1", "7", "(512, 1, 1)", "(66, 1, 1)", "0", "9.0",
+                     nbytes, pct, ns, inst])
+
+    wide = "\n".join([
+        "==PROF== Connected to process 99", line(cols), line([""] * 11 + ["byte", "%", "nsecond", "inst"]),
+        kernel(0, ELEMENTWISE, "4,096", "1.50", "2,000", "8,192"),
+        kernel(1, DISPATCH, "117,440,512", "80.25", "40,000", "1,174,405"),
+        kernel(2, COMBINE, "117,440,512", "75", "50,000", "0"),
+    ])
+    kernels = bk.parse_ncu_csv(wide)
+    assert [k["id"] for k in kernels] == [0, 1, 2]
+    assert kernels[1]["dram__bytes.sum"] == 117_440_512 and kernels[1]["gpu__time_duration.sum"] == 40_000
+    assert kernels[0]["dram__throughput.avg.pct_of_peak_sustained_elapsed"] == 1.5
+
+    long_rows = [line(["ID", "Kernel Name", "Metric Name", "Metric Unit", "Metric Value"])]
+    for k in kernels:
+        for metric in bk.NCU_METRICS:
+            unit = {"dram__bytes.sum": "Mbyte", "gpu__time_duration.sum": "usecond"}.get(metric, "")
+            value = k[metric] / {"Mbyte": 1e6, "usecond": 1e3}.get(unit, 1)
+            long_rows.append(line([k["id"], k["name"], metric, unit, f"{value:.9g}"]))
+    assert bk.parse_ncu_csv("\n".join(long_rows)) == kernels
+
+    by_op = bk.match_ncu(kernels, {"dispatch": [ELEMENTWISE, DISPATCH], "copy": [], "combine": [COMBINE]},
+                         ("dispatch", "copy", "combine"))
+    assert [k["kernel"] for k in by_op["dispatch"]] == ["vectorized_elementwise_kernel", "dispatch_kernel"]
+    assert by_op["copy"] == [] and by_op["combine"][0]["inst_per_byte"] == 0
+    d = by_op["dispatch"][1]
+    assert d["time_us"] == 40 and d["dram_gbs"] == pytest.approx(117_440_512 / 40_000)
+    assert d["inst_per_byte"] == pytest.approx(1_174_405 / 117_440_512)
+    total = bk.aggregate(by_op["dispatch"])
+    assert total["kernels"] == 2 and total["time_us"] == 42 and total["dram_bytes"] == 117_440_512 + 4096
+    assert total["dram_pct"] == pytest.approx((1.5 * 2 + 80.25 * 40) / 42)
+    with pytest.raises(ValueError, match="profiled 3 kernels"):
+        bk.match_ncu(kernels, {"dispatch": [DISPATCH], "combine": [COMBINE]}, ("dispatch", "combine"))
+    with pytest.raises(ValueError, match="torch.profiler saw"):
+        bk.match_ncu(kernels, {"combine": [COMBINE, DISPATCH, ELEMENTWISE]}, ("combine",))
+
+
+def test_bench_kernels_groups_profiler_events_by_call():
+    """The device activities of a torch.profiler trace go to the call whose
+    record_function range launched them (through the launching op, else by
+    time); range annotations on the GPU timeline and syncs are left out."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    bk = _bench_kernels_module()
+    a = bk.ANNOTATION
+
+    def ev(id_, name, start, end, kind, device=DeviceType.CPU, linked=0, parent=None):
+        return SimpleNamespace(id=id_, name=name, time_range=SimpleNamespace(start=start, end=end),
+                               activity_type=kind, device_type=device, linked_correlation_id=linked, cpu_parent=parent)
+
+    r0 = ev(1, f"{a}dispatch#0", 0, 10, "user_annotation")
+    op0 = ev(2, "rdna4_comm::dispatch", 1, 9, "cpu_op", parent=r0)
+    r1 = ev(3, f"{a}copy#0", 20, 30, "user_annotation")
+    op1 = ev(4, "aten::copy_", 21, 29, "cpu_op", parent=r1)
+    launch = ev(50, "cudaLaunchKernel", 2, 3, "cuda_runtime", linked=2)
+    events = [r0, op0, r1, op1, launch,
+              ev(100, DISPATCH, 5, 12, "kernel", DeviceType.CUDA, linked=2),
+              ev(101, ELEMENTWISE, 13, 14, "kernel", DeviceType.CUDA, linked=2),
+              ev(102, f"{a}dispatch#0", 5, 14, "gpu_user_annotation", DeviceType.CUDA, linked=1),
+              ev(103, "Memcpy DtoD (Device -> Device)", 24, 28, "gpu_memcpy", DeviceType.CUDA, linked=0),
+              ev(104, "Event Sync", 28, 29, "cuda_sync", DeviceType.CUDA, linked=4)]
+    got = bk.attribute_device_events(events)
+    assert got == {"dispatch#0": [(DISPATCH, "kernel", 7), (ELEMENTWISE, "kernel", 1)],
+                   "copy#0": [("Memcpy DtoD (Device -> Device)", "gpu_memcpy", 4)]}
+    with pytest.raises(RuntimeError, match="in no timed call"):
+        bk.attribute_device_events([r1, ev(105, COMBINE, 1, 2, "kernel", DeviceType.CUDA)])
+
+
+def test_bench_kernels_runs_ncu_and_reads_its_report(tmp_path):
+    """run_ncu's plumbing against a stand-in ncu (a script): the profiling
+    command (flags, the child's command line), the --import of the report it
+    wrote, and the kernels split into the ops; and a failing ncu reported."""
+    bk = _bench_kernels_module()
+    csv_text = "\n".join([
+        '"ID","Kernel Name","dram__bytes.sum","dram__throughput.avg.pct_of_peak_sustained_elapsed",'
+        '"gpu__time_duration.sum","smsp__inst_executed.sum"',
+        '"","","byte","%","nsecond","inst"',
+        f'"0","{DISPATCH}","1000","50","100","10"',
+        f'"1","{COMBINE}","2000","60","200","20"',
+    ])
+    (tmp_path / "report.csv").write_text(csv_text + "\n")
+    fake = tmp_path / "ncu"
+    fake.write_text(f"""#!/bin/sh
+echo "$@" >> {tmp_path}/calls
+case "$1" in
+  --import) cat {tmp_path}/report.csv ;;
+  *) while [ $# -gt 0 ]; do [ "$1" = --export ] && touch "$2.ncu-rep"; shift; done ;;
+esac
+""")
+    fake.chmod(0o755)
+    expected = {k: [] for k in bk.NCU_OPS}
+    expected["dispatch"], expected["combine"] = [DISPATCH], [COMBINE]
+    got, why = bk.run_ncu(str(fake), ["--device", "cuda"], expected)
+    assert why == "" and got["dispatch"][0]["dram_gbs"] == 10 and got["combine"][0]["inst_per_byte"] == 0.01
+    profile, imported = (tmp_path / "calls").read_text().splitlines()
+    for flag in ("--profile-from-start off", "--kernel-name-base demangled",
+                 f"--kernel-name regex:{bk.NCU_KERNEL_REGEX}", "--metrics " + ",".join(bk.NCU_METRICS),
+                 "--launch-count 18", "bench_kernels.py --ncu-child --device cuda"):
+        assert flag in profile
+    assert imported.startswith("--import ") and imported.endswith("--csv --page raw --print-units base")
+
+    fake.write_text("#!/bin/sh\necho '==ERROR== ERR_NVGPUCTRPERM' >&2\nexit 1\n")
+    got, why = bk.run_ncu(str(fake), [], expected)
+    assert got is None and "exited with 1" in why and "ERR_NVGPUCTRPERM" in why

@@ -33,11 +33,12 @@ ALLREDUCE_BITS = 16  # fp32: 16-bit values, sums over 32 ranks stay within 24 bi
 EP_BITS = 4  # bf16/fp16: |value| <= 8, sums over 32 ranks stay within 8 bits
 
 
-def record(op: str, tokens: int, hidden: int, dtype: torch.dtype, ops: list[Op], stats: dict[str, Stats]) -> dict:
+def record(op: str, tokens: int, hidden: int, dtype: torch.dtype, ops: list[Op], stats: dict[str, Stats],
+           cap: Optional[int] = None) -> dict:
     """What a worker emits for one measured configuration (see
     :mod:`~rdna4_comm._bench.report`); ``bytes`` is the payload
-    per rank."""
-    return {
+    per rank; ``cap``, where given, the communicator's max_tokens_per_rank."""
+    rec = {
         "op": op,
         "tokens": tokens,
         "hidden": hidden,
@@ -46,6 +47,9 @@ def record(op: str, tokens: int, hidden: int, dtype: torch.dtype, ops: list[Op],
         "stats": stats,
         "details": {o.backend: o.detail for o in ops if o.backend in stats},
     }
+    if cap is not None:
+        rec["cap"] = cap
+    return rec
 
 
 # -------------------------------------------------------------- all_reduce

@@ -73,6 +73,11 @@ def speedups(records: list[dict]) -> dict[str, list[float]]:
     return out
 
 
+def _cap_text(rec: dict) -> str:
+    """", cap N" for a record whose capacity is not its token count, else ""."""
+    return f", cap {rec['cap']}" if rec.get("cap", rec["tokens"]) != rec["tokens"] else ""
+
+
 def summary(records: list[dict]) -> str:
     """The comparison table, what each backend timed, and per baseline the
     geometric-mean and the minimum speedup of rdna4_comm."""
@@ -86,13 +91,29 @@ def summary(records: list[dict]) -> str:
         worst = min(range(len(ratios)), key=ratios.__getitem__)
         rec = [r for r in records if b in r["stats"]][worst]
         lines.append(f"speedup of rdna4_comm over {b}: geomean {geomean:.2f}x, min {ratios[worst]:.2f}x "
-                     f"(tokens {rec['tokens']}, hidden {rec['hidden']}), over {len(ratios)} configurations")
+                     f"(tokens {rec['tokens']}{_cap_text(rec)}, hidden {rec['hidden']}), over {len(ratios)} configurations")
     return "\n".join(lines)
+
+
+def _grid_rows(records: list[dict]) -> list[tuple[int, str]]:
+    """The heatmap's rows: (tokens, op), sorted by tokens and then by op in the
+    order the ops first appear (bench_ep's decode rows at cap 4096 sit next to
+    the cap = tokens ones)."""
+    ops = list(dict.fromkeys(r["op"] for r in records))
+    return sorted({(r["tokens"], r["op"]) for r in records}, key=lambda k: (k[0], ops.index(k[1])))
+
+
+def _row_label(tokens: int, op: str, main_op: str) -> str:
+    if op == main_op:
+        return str(tokens)
+    return f"{tokens} {op[len(main_op):].strip() if op.startswith(main_op) else op}"
 
 
 def save_heatmap(records: list[dict], path: Path, title: str) -> None:
     """A PNG of rdna4_comm's speedup over each baseline on the hidden x tokens
-    grid (green: rdna4_comm faster), or a note where matplotlib is missing."""
+    grid (green: rdna4_comm faster), or a note where matplotlib is missing.
+    Records of a second op at the same tokens (e.g. "dispatch+combine (cap
+    4096)") get rows of their own, labelled with what sets them apart."""
     try:
         import matplotlib
 
@@ -109,22 +130,23 @@ def save_heatmap(records: list[dict], path: Path, title: str) -> None:
     if not ratios:
         return
     hiddens = sorted({r["hidden"] for r in records})
-    tokens = sorted({r["tokens"] for r in records})
+    rows = _grid_rows(records)
+    main_op = records[0]["op"]
     spread = max(1.25, *(max(r, 1 / r) for v in ratios.values() for r in v))
     panel_w = max(4.0, 1.8 + 0.9 * len(hiddens))
-    fig, axes = plt.subplots(1, len(ratios), figsize=(panel_w * len(ratios), 1.8 + 0.45 * len(tokens)), squeeze=False)
+    fig, axes = plt.subplots(1, len(ratios), figsize=(panel_w * len(ratios), 1.8 + 0.45 * len(rows)), squeeze=False)
     for ax, baseline in zip(axes[0], ratios):
-        grid = np.full((len(tokens), len(hiddens)), np.nan)
+        grid = np.full((len(rows), len(hiddens)), np.nan)
         for rec in records:
             if baseline in rec["stats"]:
-                grid[tokens.index(rec["tokens"]), hiddens.index(rec["hidden"])] = speedup(rec["stats"], baseline)
+                grid[rows.index((rec["tokens"], rec["op"])), hiddens.index(rec["hidden"])] = speedup(rec["stats"], baseline)
         image = ax.imshow(np.ma.masked_invalid(grid), cmap="RdYlGn", norm=LogNorm(1 / spread, spread),
                           aspect="auto", origin="lower")
         for (i, j), v in np.ndenumerate(grid):
             if not np.isnan(v):
                 ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
         ax.set_xticks(range(len(hiddens)), [str(h) for h in hiddens])
-        ax.set_yticks(range(len(tokens)), [str(t) for t in tokens])
+        ax.set_yticks(range(len(rows)), [_row_label(t, op, main_op) for t, op in rows])
         ax.set_xlabel("hidden")
         ax.set_ylabel("tokens per rank")
         ax.set_title(f"vs {baseline}", fontsize=10)
