@@ -1,6 +1,7 @@
 // A communicator: one rank's view of the symmetric heap, its peers, and the
-// three ops. Transports (CPU shared memory, GPU peer memory, torch.distributed) implement the
-// same interface; argument validation is shared and runs before any protocol
+// four ops (all_reduce, dispatch, combine, all_reduce_rmsnorm). Transports
+// (CPU shared memory, GPU peer memory, torch.distributed) implement the same
+// interface; argument validation is shared and runs before any protocol
 // step, so a rejected call leaves every counter and buffer untouched.
 #pragma once
 

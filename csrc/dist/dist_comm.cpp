@@ -72,16 +72,14 @@ class DistComm final : public Comm {
   void check() override { TORCH_CHECK(failure_.empty(), failure_); }
 
  protected:
-  // One-shot: an all-gather of every input, then each rank sums all W in
-  // rank order. Two-shot: an all-to-all of the shares (rank o owns elements
-  // [o*q, min((o+1)*q, m)), allreduce_share), each rank sums its share's W
-  // parts in rank order, then an all-gather of the sums. Both give the bits
-  // of the P2P transports' paths of the same name.
   // The fused op: the rows' rank-ordered sum through all_reduce_chunk, then
   // the residual add and the norm with ATen ops on the op's device (this
   // transport has no kernels of its own). Every rank computes the same
   // deterministic ops on the same sum, so out is the same on every rank.
-  void all_reduce_rmsnorm_chunk(const RmsNormRows& c, bool) override {
+  // The P2P kernels' one-stage/two-stage choice has no counterpart here:
+  // both stages give the same bits, and the sum takes all_reduce's own
+  // one-shot/two-shot choice.
+  void all_reduce_rmsnorm_chunk(const RmsNormRows& c, bool /*one_stage*/) override {
     const int64_t n = c.rows * c.hidden, elt = int64_t(c10::elementSize(c.dtype));
     all_reduce_chunk(c.dtype, c.x, c.residual_out, n, allreduce_use_one_shot(n * elt, cfg_.world, /*gpu=*/false));
     RmsNormRows summed = c;
@@ -109,6 +107,11 @@ class DistComm final : public Comm {
     rows(c.residual_out).copy_(r);
   }
 
+  // One-shot: an all-gather of every input, then each rank sums all W in
+  // rank order. Two-shot: an all-to-all of the shares (rank o owns elements
+  // [o*q, min((o+1)*q, m)), allreduce_share), each rank sums its share's W
+  // parts in rank order, then an all-gather of the sums. Both give the bits
+  // of the P2P transports' paths of the same name.
   void all_reduce_chunk(at::ScalarType st, const char* in, char* out, int64_t m, bool one_shot) override {
     const int W = cfg_.world;
     const auto opts = at::TensorOptions().device(device_).dtype(st);

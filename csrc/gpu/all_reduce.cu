@@ -13,7 +13,7 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Env env, AllReduce
   const Layout& L = env.layout;
   const int me = env.rank, W = env.world, b = blockIdx.x;
   const uint64_t gen = op_generation(env, kOpAllReduce);
-  const int elt = a.dtype == DType::kF32 ? 4 : 2;
+  const int elt = dtype_bytes(a.dtype);
   const char* in = static_cast<const char*>(a.in);
   char* out = static_cast<char*>(a.out);
   const bool aligned = aligned16(in) && aligned16(out);
@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Env env, AllReduce
 }  // namespace
 
 void launch_all_reduce(const Env& env, const AllReduceArgs& a, Stream s) {
-  const int elt = a.dtype == DType::kF32 ? 4 : 2;
+  const int elt = dtype_bytes(a.dtype);
   const int64_t per_rank = allreduce_shares(a.n, env.world, elt, a.one_shot).q;
   launch("all_reduce", all_reduce_kernel, allreduce_blocks(per_rank * elt, env.sm_count), s, env, a);
 }

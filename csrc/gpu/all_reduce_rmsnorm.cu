@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(kThreads) all_reduce_rmsnorm_kernel(Env env, A
 // single elements (any H, any alignment).
 template <DType D>
 void launch_variant(const Env& env, const AllReduceRmsNormArgs& a, int blocks, Stream s) {
-  const bool in_registers = a.vectorized && rmsnorm_row_in_registers(a.hidden, D == DType::kF32 ? 4 : 2);
+  const bool in_registers = a.vectorized && rmsnorm_row_in_registers(a.hidden, dtype_bytes(D));
   if (in_registers)
     launch("all_reduce_rmsnorm", all_reduce_rmsnorm_kernel<D, uint4, true>, blocks, s, env, a);
   else if (a.vectorized)
