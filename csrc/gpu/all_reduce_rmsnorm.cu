@@ -46,11 +46,8 @@ RC_DEVICE void finish_row(const AllReduceRmsNormArgs& a, const ConstRankPtrs& sr
                           double* red) {
   using E = Elem<D>;
   using Raw = typename E::Raw;
-  constexpr int N = sizeof(V) / sizeof(Raw);
-  union Pack {
-    V v;
-    Raw e[N];
-  };
+  using Pack = ElemPack<D, V>;
+  constexpr int N = Pack::N;
   const int64_t H = a.hidden;
   const uint32_t nvec = uint32_t(H / N), nt = blockDim.x;
   const V* residual = a.residual ? reinterpret_cast<const V*>(static_cast<const Raw*>(a.residual) + row * H) : nullptr;

@@ -15,7 +15,8 @@ struct CombineShared {
   // rows lie in token order). Receiver: start[c][0], this rank's own rows
   // before chunk c of its tokens.
   int32_t start[kEpTargetChunks + 1][kMaxGpuWorld];
-  int32_t item_src[kMaxGroup], item_lo[kMaxGroup], item_first[kMaxGroup + 1];
+  int32_t item_src[kMaxGroup], item_lo[kMaxGroup];
+  uint32_t item_first[kMaxGroup + 1];
   int64_t item_chunk[kMaxGroup];
   int32_t run[kMaxGpuWorld];
   int32_t warp_tot[kMaxWarps][kMaxGpuWorld];
@@ -126,27 +127,18 @@ RC_DEVICE void combine_sender(const Env& env, const CombineArgs& a, CombineShare
         sh.item_lo[tid] = sh.start[c][s];
         nrows = sh.start[c + 1][s] - sh.start[c][s];
       }
-      sh.item_first[tid + 1] = nrows > 0 ? nrows : 0;
+      sh.item_first[tid + 1] = uint32_t(nrows > 0 ? nrows : 0);
     }
     block_sync();
-    if (tid == 0) {
-      sh.item_first[0] = 0;
-      for (int g = 0; g < G; ++g) sh.item_first[g + 1] += sh.item_first[g];
-    }
-    block_sync();
-    const int64_t rows = sh.item_first[G];
-    const RowGroups rg = row_groups(rows);
-    int g = 0;  // item of row r: rows ascend, so the search resumes where it stopped
-    for (int64_t r = rg.group; r < rows; r += rg.groups) {
-      while (int64_t(sh.item_first[g + 1]) <= r) ++g;
+    for_item_rows(sh.item_first, G, [&](int g, int64_t k, const RowGroups& rg) {
       const int s = sh.item_src[g];
-      const int64_t j = sh.item_lo[g] + (r - sh.item_first[g]);
+      const int64_t j = sh.item_lo[g] + k;
       const int64_t t = row_token(a, sh.src, cap, s, j);
-      if (t < 0) continue;
+      if (t < 0) return;
       RankPtrs dst;
       dst.p[0] = L.combine_row(env.data[s], gen, me, t);
       with_vector(vec, [&](auto tag) { copy_row<typename decltype(tag)::type, true>(y + j * payload, dst, 1u, nvec, rg); });
-    }
+    });
     block_sync();
     if (tid < G && sh.item_src[tid] >= 0)
       store_release_sys(L.combine_flag(env.sig[sh.item_src[tid]], gen, me, sh.item_chunk[tid]), gen);

@@ -223,19 +223,10 @@ RC_DEVICE void dispatch_receiver(const Env& env, const DispatchArgs& a, Dispatch
       sh.item_first[tid + 1] = nrows;
     }
     if (!block_all(got)) return;
-    if (tid == 0) {
-      sh.item_first[0] = 0;
-      for (int g = 0; g < G; ++g) sh.item_first[g + 1] += sh.item_first[g];
-    }
-    block_sync();
-    const int64_t rows = sh.item_first[G];
-    const RowGroups rg = row_groups(rows);
-    int g = 0;  // item of row r: rows ascend, so the search resumes where it stopped
-    for (int64_t r = rg.group; r < rows; r += rg.groups) {
-      while (int64_t(sh.item_first[g + 1]) <= r) ++g;
+    for_item_rows(sh.item_first, G, [&](int g, int64_t k, const RowGroups& rg) {
       const int s = sh.item_src[g];
-      const int64_t hr = sh.item_row_start[g] + (r - sh.item_first[g]);  // the source's row
-      const int64_t o = sh.src.offset[s] + hr;                           // its output row
+      const int64_t hr = sh.item_row_start[g] + k;  // the source's row
+      const int64_t o = sh.src.offset[s] + hr;      // its output row
       const char* row = L.dispatch_row(env.data[me], gen, s, hr);
       RankPtrs dst;
       dst.p[0] = out_x + o * payload;
@@ -245,7 +236,7 @@ RC_DEVICE void dispatch_receiver(const Env& env, const DispatchArgs& a, Dispatch
         if (a.out_weights) store_weight(a.out_weights, o * K + k, a.weights_dtype, L.row_weights(const_cast<char*>(row))[k]);
       }
       if (rg.first == 0) a.out_recv_src[o] = int32_t(s * cap + *L.row_token(const_cast<char*>(row)));
-    }
+    });
     block_sync();
   }
 }

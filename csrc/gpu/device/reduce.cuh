@@ -29,16 +29,21 @@ template <> struct Elem<DType::kF16> {
   static RC_DEVICE Raw store(float v) { return float_to_f16_bits(v); }
 };
 
+// A vector V seen as its N elements of D.
+template <DType D, typename V>
+union ElemPack {
+  static constexpr int N = int(sizeof(V) / sizeof(typename Elem<D>::Raw));
+  V v;
+  typename Elem<D>::Raw e[N];
+};
+
 // Vector v of the sum over the sources selected by `mask`, in ascending rank
 // order, in fp32, rounded once; zeros when the mask is empty.
 template <DType D, typename V>
 RC_DEVICE V sum_one(const ConstRankPtrs& src, uint32_t mask, uint32_t v) {
   using E = Elem<D>;
-  constexpr int N = sizeof(V) / sizeof(typename E::Raw);
-  union Pack {
-    V v;
-    typename E::Raw e[N];
-  };
+  using Pack = ElemPack<D, V>;
+  constexpr int N = Pack::N;
   float acc[N];
 #pragma unroll
   for (int k = 0; k < N; ++k) acc[k] = 0.f;

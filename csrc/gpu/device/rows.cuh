@@ -72,12 +72,8 @@ RC_DEVICE void copy_row(const char* src, const RankPtrs& dst, uint32_t mask, uin
 template <DType D, typename V>
 RC_DEVICE void sum_row(const ConstRankPtrs& src, uint32_t mask, char* out, uint32_t n, const RowGroups& g) {
   using E = Elem<D>;
-  using Raw = typename E::Raw;
-  constexpr int N = sizeof(V) / sizeof(Raw);
-  union Pack {
-    V v;
-    Raw e[N];
-  };
+  using Pack = ElemPack<D, V>;
+  constexpr int N = Pack::N;
   V* o = reinterpret_cast<V*>(out);
   for (uint32_t v0 = g.first; v0 < n; v0 += g.stride * kSumUnroll) {
     float acc[kSumUnroll][N];
@@ -118,6 +114,26 @@ RC_DEVICE void sum_row(const ConstRankPtrs& src, uint32_t mask, char* out, uint3
       }
       o[v] = q.v;
     }
+  }
+}
+
+// The rows of a group of G work items as one batch, each row on a group of
+// warps (row_groups). Before the call, thread g < G has stored item g's row
+// count in first[g + 1] and a barrier has passed; this turns first[] into
+// each item's first row and calls row(g, k, groups) for row k of item g.
+template <typename RowFn>
+RC_DEVICE void for_item_rows(uint32_t* first, int G, RowFn row) {
+  if (threadIdx.x == 0) {
+    first[0] = 0;
+    for (int g = 0; g < G; ++g) first[g + 1] += first[g];
+  }
+  block_sync();
+  const int64_t rows = first[G];
+  const RowGroups rg = row_groups(rows);
+  int g = 0;  // item of row r: rows ascend, so the search resumes where it stopped
+  for (int64_t r = rg.group; r < rows; r += rg.groups) {
+    while (int64_t(first[g + 1]) <= r) ++g;
+    row(g, r - int64_t(first[g]), rg);
   }
 }
 
