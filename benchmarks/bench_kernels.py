@@ -122,7 +122,7 @@ import torch.distributed as dist
 
 from rdna4_comm import Communicator, reference
 from rdna4_comm._bench.cases import EP_BITS, EP_EXPERTS, EP_TOPK, ep_routing
-from rdna4_comm._bench.checks import HANDLE_FIELDS, assert_same, pattern
+from rdna4_comm._bench.checks import assert_dispatched, assert_same, pattern
 from rdna4_comm._bench.report import format_table
 from rdna4_comm._bench.timing import Stats, _GpuClock
 from rdna4_comm._bench.world import describe, usable_gpus
@@ -226,18 +226,13 @@ def ep_inputs(tokens: int, hidden: int, device) -> tuple:
 
 def check_dispatched(d, x, idx, w, cap: int, what: str):
     """Raise unless ``d`` (a Dispatched) is what rdna4_comm.reference.dispatch
-    gives for this one rank: counts; rows [0, counts.sum()) of x (the rows
-    after them are padding, unspecified); topk_idx (int64, -1 padding) and
-    topk_weights (bf16, 0 padding) whole; every handle field. Returns the
-    reference's Dispatched."""
+    gives for this one rank (rdna4_comm._bench.checks.assert_dispatched:
+    counts; rows [0, counts.sum()) of x [cap, H] bf16, the rows after them
+    being padding, unspecified; topk_idx [cap, 8] int64 with -1 padding and
+    topk_weights [cap, 8] bf16 with 0 padding, whole; every handle field).
+    Returns the reference's Dispatched."""
     ref = reference.dispatch([x.cpu()], [idx.cpu()], [w.cpu()], num_experts=EP_EXPERTS, max_tokens_per_rank=cap)[0]
-    assert_same(d.counts, ref.counts, f"{what}: counts")
-    n = int(ref.counts.sum())
-    assert_same(d.x[:n], ref.x[:n], f"{what}: x[:{n}]")
-    assert_same(d.topk_idx, ref.topk_idx, f"{what}: topk_idx")
-    assert_same(d.topk_weights, ref.topk_weights, f"{what}: topk_weights")
-    for field in HANDLE_FIELDS:
-        assert_same(getattr(d.handle, field), getattr(ref.handle, field), f"{what}: handle.{field}")
+    assert_dispatched(d, ref, f"{what}:")
     return ref
 
 
