@@ -125,8 +125,7 @@ from rdna4_comm._bench.cases import EP_BITS, EP_EXPERTS, EP_TOPK, ep_routing
 from rdna4_comm._bench.checks import assert_dispatched, assert_same, pattern
 from rdna4_comm._bench.report import format_table
 from rdna4_comm._bench.timing import Stats, _GpuClock
-from rdna4_comm._bench.world import describe, usable_gpus
-from rdna4_comm._launch import free_port
+from rdna4_comm._bench.world import OneRank, describe, usable_gpus
 
 NAME = "bench_kernels"
 DTYPE = torch.bfloat16
@@ -167,38 +166,6 @@ NCU_OPS = ("dispatch", "copy", "copy_kernel", "combine", "dc_small", "dc_medium"
 # ncu columns of a baseline whose own kernels ncu cannot see (a memcpy).
 NCU_STAND_IN = {"copy": "copy_kernel"}
 NCU_TIMEOUT_S = 1200
-
-
-# ------------------------------------------------------------- the world
-
-
-class OneRank:
-    """A world of one process, this one: a gloo group on 127.0.0.1 (rank 0
-    of 1) that bootstraps the communicators; transport "gpu" on cuda:0 or
-    "cpu". Has what rdna4_comm._bench.world.describe reads."""
-
-    rank, world, baseline = 0, 1, "torch"
-
-    def __init__(self, device: str):
-        self.transport = "gpu" if device == "cuda" else "cpu"
-        if device == "cuda":
-            self.device = torch.device("cuda", 0)
-            torch.cuda.set_device(self.device)
-        else:
-            self.device = torch.device("cpu")
-            # The CPU transport does its copies on the calling thread; torch's
-            # baselines run on one thread too (torch's thread pool also costs
-            # milliseconds per op on small, loaded machines).
-            torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def close(self) -> None:
-        self.sync()
-        dist.destroy_process_group()
 
 
 # ------------------------------------------------------- ops and checks
