@@ -209,8 +209,9 @@ def test_bench_kernels_groups_profiler_events_by_call():
 
     from torch.autograd import DeviceType
 
-    bk = _bench_kernels_module()
-    a = bk.ANNOTATION
+    from rdna4_comm._bench import profiling
+
+    a = profiling.ANNOTATION
 
     def ev(id_, name, start, end, kind, device=DeviceType.CPU, linked=0, parent=None):
         return SimpleNamespace(id=id_, name=name, time_range=SimpleNamespace(start=start, end=end),
@@ -227,11 +228,11 @@ def test_bench_kernels_groups_profiler_events_by_call():
               ev(102, f"{a}dispatch#0", 5, 14, "gpu_user_annotation", DeviceType.CUDA, linked=1),
               ev(103, "Memcpy DtoD (Device -> Device)", 24, 28, "gpu_memcpy", DeviceType.CUDA, linked=0),
               ev(104, "Event Sync", 28, 29, "cuda_sync", DeviceType.CUDA, linked=4)]
-    got = bk.attribute_device_events(events)
+    got = profiling.attribute_device_events(events)
     assert got == {"dispatch#0": [(DISPATCH, "kernel", 7), (ELEMENTWISE, "kernel", 1)],
                    "copy#0": [("Memcpy DtoD (Device -> Device)", "gpu_memcpy", 4)]}
     with pytest.raises(RuntimeError, match="in no timed call"):
-        bk.attribute_device_events([r1, ev(105, COMBINE, 1, 2, "kernel", DeviceType.CUDA)])
+        profiling.attribute_device_events([r1, ev(105, COMBINE, 1, 2, "kernel", DeviceType.CUDA)])
 
 
 def test_bench_kernels_runs_ncu_and_reads_its_report(tmp_path):
