@@ -94,15 +94,7 @@ class Cases:
         large = self.comm(tl, hl)
 
         # Rows 1-2: dispatch and combine of T = cap tokens, and the copy of the same bytes.
-        x, idx, w = ep_inputs(tl, hl, dev)
-        self._add("dispatch", lambda: large.dispatch(x, idx, w),
-                  lambda d: check_dispatched(d, x, idx, w, tl, "dispatch"),
-                  f"comm.dispatch(x [{tl}, {hl}] bf16, topk_idx [{tl}, 8] int64, topk_weights [{tl}, 8] bf16), cap {tl}")
-        d0 = large.dispatch(x, idx, w)
-        ref0 = check_dispatched(d0, x, idx, w, tl, "dispatch for combine's input")
-        y, handle = d0.x, d0.handle
-        self._add("combine", lambda: large.combine(y, handle), lambda out: check_combined(out, y, ref0, x, "combine"),
-                  f"comm.combine(y [{tl}, {hl}] bf16, handle) -> [{tl}, {hl}] bf16, cap {tl}")
+        x = self._add_dispatch_and_combine("", "", large, tl, hl)
         dst = torch.empty_like(x)
         self._add("copy", lambda: dst.copy_(x), lambda out: assert_same(out, x, "copy_"),
                   f"dst.copy_(src), [{tl}, {hl}] bf16 ({tl * hl * 2} bytes: the payload dispatch moves at W = 1)")
@@ -120,16 +112,7 @@ class Cases:
         self._add_round_trip("dc_decode", decode, td, hd)
 
         # Rows 6-7: eager host time on the decode communicator, and an add.
-        xd, idxd, wd = ep_inputs(td, hd, dev)
-        self._add("dispatch_host", lambda: decode.dispatch(xd, idxd, wd),
-                  lambda d: check_dispatched(d, xd, idxd, wd, td, "dispatch (host time)"),
-                  f"comm.dispatch(x [{td}, {hd}] bf16, topk_idx [{td}, 8] int64, topk_weights [{td}, 8] bf16), cap {td}")
-        dd = decode.dispatch(xd, idxd, wd)
-        refd = check_dispatched(dd, xd, idxd, wd, td, "dispatch for combine's input (host time)")
-        yd, hdl = dd.x, dd.handle
-        self._add("combine_host", lambda: decode.combine(yd, hdl),
-                  lambda out: check_combined(out, yd, refd, xd, "combine (host time)"),
-                  f"comm.combine(y [{td}, {hd}] bf16, handle) -> [{td}, {hd}] bf16, cap {td}")
+        self._add_dispatch_and_combine("_host", " (host time)", decode, td, hd)
         a = torch.arange(ADD_NUMEL, dtype=torch.float32, device=dev)
         b = torch.full((ADD_NUMEL,), 0.5, dtype=torch.float32, device=dev)
         expected = torch.arange(ADD_NUMEL, dtype=torch.float32) + 0.5
@@ -145,6 +128,25 @@ class Cases:
 
     def _add(self, key, run, check, detail) -> None:
         self.ops[key] = KOp(key, run, check, detail)
+
+    def _add_dispatch_and_combine(self, suffix: str, note: str, comm: Communicator, tokens: int,
+                                  hidden: int) -> torch.Tensor:
+        """Ops "dispatch<suffix>" (x [T, H] bf16 with its routing, T = the
+        communicator's capacity) and "combine<suffix>" (y = a checked
+        dispatch's x [T, H] bf16, its handle); ``note`` ends their check
+        messages. Returns x."""
+        x, idx, w = ep_inputs(tokens, hidden, self.rank.device)
+        self._add(f"dispatch{suffix}", lambda: comm.dispatch(x, idx, w),
+                  lambda d: check_dispatched(d, x, idx, w, tokens, f"dispatch{note}"),
+                  f"comm.dispatch(x [{tokens}, {hidden}] bf16, topk_idx [{tokens}, 8] int64, "
+                  f"topk_weights [{tokens}, 8] bf16), cap {tokens}")
+        d = comm.dispatch(x, idx, w)
+        ref = check_dispatched(d, x, idx, w, tokens, f"dispatch for combine's input{note}")
+        y, handle = d.x, d.handle
+        self._add(f"combine{suffix}", lambda: comm.combine(y, handle),
+                  lambda out: check_combined(out, y, ref, x, f"combine{note}"),
+                  f"comm.combine(y [{tokens}, {hidden}] bf16, handle) -> [{tokens}, {hidden}] bf16, cap {tokens}")
+        return x
 
     def _add_round_trip(self, key: str, comm: Communicator, tokens: int, hidden: int) -> None:
         x, idx, w = ep_inputs(tokens, hidden, self.rank.device)
