@@ -100,52 +100,24 @@ Output: the table, the per-op kernel breakdown, and a JSONL results file
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
-import os
-import re
-import shlex
-import shutil
-import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import _common
 import torch
-import torch.distributed as dist
 
-from rdna4_comm import Communicator, reference
-from rdna4_comm._bench.cases import EP_BITS, EP_EXPERTS, EP_TOPK, ep_routing
-from rdna4_comm._bench.checks import HANDLE_FIELDS, assert_same, pattern
+from rdna4_comm._bench.kernel_cases import CPU_SHAPES, DTYPE, GPU_SHAPES, Cases, Shapes
+from rdna4_comm._bench.ncu import aggregate, find_ncu, function_base, ncu_version, run_ncu
+from rdna4_comm._bench.profiling import Timer
 from rdna4_comm._bench.report import format_table
-from rdna4_comm._bench.timing import Stats, _GpuClock
-from rdna4_comm._bench.world import describe, usable_gpus
-from rdna4_comm._launch import free_port
+from rdna4_comm._bench.timing import Stats
+from rdna4_comm._bench.world import OneRank, describe, usable_gpus
 
 NAME = "bench_kernels"
-DTYPE = torch.bfloat16
-SEED = 0
-
-
-@dataclass(frozen=True)
-class Shapes:
-    """(T, H) of the rows; capacity = T unless a row says otherwise."""
-
-    large: tuple  # rows 1-2; its communicator (cap = T) is row 5's large capacity
-    small: tuple  # row 3
-    medium: tuple  # row 4
-    decode: tuple  # row 5 (cap = large T against cap = T) and rows 6-7 (cap = T); H = large H
-
-
-GPU_SHAPES = Shapes(large=(4096, 7168), small=(8, 4096), medium=(128, 7168), decode=(8, 7168))
-CPU_SHAPES = Shapes(large=(256, 512), small=(8, 256), medium=(64, 512), decode=(8, 512))
-ADD_NUMEL = 8  # the host-time baseline: torch.add of two [8] fp32 tensors
 
 # (rounds, calls per backend per round, calls per host-time block, host-time blocks per backend per round)
 DEFAULTS = {"gpu": (5, 40, 50, 4), "cpu": (3, 20, 20, 4), "quick": (2, 5, 10, 2)}
@@ -153,196 +125,12 @@ DEFAULTS = {"gpu": (5, 40, 50, 4), "cpu": (3, 20, 20, 4), "quick": (2, 5, 10, 2)
 # Host-time blocks on the GPU: each call queues a handful of launches, and a
 # full launch queue would block the host on the GPU; 50 calls stay far below.
 MAX_GPU_HOST_CALLS = 100
-BUSY_MS_START, BUSY_MS_MAX = 20.0, 2000.0
 
-ANNOTATION = "rdna4_comm/bench_kernels:"
-DEVICE_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")
-
-NCU_METRICS = ("dram__throughput.avg.pct_of_peak_sustained_elapsed", "dram__bytes.sum",
-               "smsp__inst_executed.sum", "gpu__time_duration.sum")
-NCU_KERNEL_REGEX = "dispatch|combine|copy|elementwise"
 # The ops the ncu child profiles, one call each, in this order.
 NCU_OPS = ("dispatch", "copy", "copy_kernel", "combine", "dc_small", "dc_medium", "dc_decode_bigcap",
            "dc_decode", "add")
 # ncu columns of a baseline whose own kernels ncu cannot see (a memcpy).
 NCU_STAND_IN = {"copy": "copy_kernel"}
-NCU_TIMEOUT_S = 1200
-
-
-# ------------------------------------------------------------- the world
-
-
-class OneRank:
-    """A world of one process, this one: a gloo group on 127.0.0.1 (rank 0
-    of 1) that bootstraps the communicators; transport "gpu" on cuda:0 or
-    "cpu". Has what rdna4_comm._bench.world.describe reads."""
-
-    rank, world, baseline = 0, 1, "torch"
-
-    def __init__(self, device: str):
-        self.transport = "gpu" if device == "cuda" else "cpu"
-        if device == "cuda":
-            self.device = torch.device("cuda", 0)
-            torch.cuda.set_device(self.device)
-        else:
-            self.device = torch.device("cpu")
-            # The CPU transport does its copies on the calling thread; torch's
-            # baselines run on one thread too (torch's thread pool also costs
-            # milliseconds per op on small, loaded machines).
-            torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def close(self) -> None:
-        self.sync()
-        dist.destroy_process_group()
-
-
-# ------------------------------------------------------- ops and checks
-
-
-@dataclass(frozen=True)
-class KOp:
-    """One op: ``run()`` launches it on fixed inputs (capturable in a CUDA
-    graph: no host sync); ``check(run())`` raises AssertionError when the
-    result is wrong; ``detail`` says what exactly runs."""
-
-    key: str
-    run: Callable[[], Any]
-    check: Callable[[Any], None]
-    detail: str
-
-
-def ep_inputs(tokens: int, hidden: int, device) -> tuple:
-    """x [T, H] bf16, topk_idx [T, 8] int64 (distinct uniform ids of 256) and
-    topk_weights [T, 8] bf16 on ``device``."""
-    idx, w = ep_routing(0, tokens, EP_TOPK, EP_EXPERTS, SEED)
-    x = pattern(0, tokens, hidden, DTYPE, device, bits=EP_BITS)
-    return x, idx.to(torch.int64).to(device), w.to(DTYPE).to(device)
-
-
-def check_dispatched(d, x, idx, w, cap: int, what: str):
-    """Raise unless ``d`` (a Dispatched) is what rdna4_comm.reference.dispatch
-    gives for this one rank: counts; rows [0, counts.sum()) of x (the rows
-    after them are padding, unspecified); topk_idx (int64, -1 padding) and
-    topk_weights (bf16, 0 padding) whole; every handle field. Returns the
-    reference's Dispatched."""
-    ref = reference.dispatch([x.cpu()], [idx.cpu()], [w.cpu()], num_experts=EP_EXPERTS, max_tokens_per_rank=cap)[0]
-    assert_same(d.counts, ref.counts, f"{what}: counts")
-    n = int(ref.counts.sum())
-    assert_same(d.x[:n], ref.x[:n], f"{what}: x[:{n}]")
-    assert_same(d.topk_idx, ref.topk_idx, f"{what}: topk_idx")
-    assert_same(d.topk_weights, ref.topk_weights, f"{what}: topk_weights")
-    for field in HANDLE_FIELDS:
-        assert_same(getattr(d.handle, field), getattr(ref.handle, field), f"{what}: handle.{field}")
-    return ref
-
-
-def check_combined(out, y, ref, x, what: str) -> None:
-    """Raise unless ``out`` = reference.combine of ``y`` under the reference
-    handle ``ref``, and (W = 1: each token comes back once) equals ``x``."""
-    assert_same(out, reference.combine([y.cpu()], [ref])[0], f"{what}: combine vs rdna4_comm.reference")
-    assert_same(out, x, f"{what}: combine(dispatch(x).x) == x")
-
-
-class Cases:
-    """The communicators, inputs and ops of every row (see the module
-    docstring), on ``rank``'s device; :meth:`check_all` checks them."""
-
-    def __init__(self, rank: OneRank, shapes: Shapes):
-        self.rank, self.shapes = rank, shapes
-        dev = rank.device
-        (tl, hl), (ts, hs), (tm, hm), (td, hd) = shapes.large, shapes.small, shapes.medium, shapes.decode
-        assert hd == hl, "the decode rows run on the large communicator too: same hidden size"
-        self.comms: dict[tuple, Communicator] = {}
-        self.ops: dict[str, KOp] = {}
-        large = self.comm(tl, hl)
-
-        # Rows 1-2: dispatch and combine of T = cap tokens, and the copy of the same bytes.
-        x, idx, w = ep_inputs(tl, hl, dev)
-        self._add("dispatch", lambda: large.dispatch(x, idx, w),
-                  lambda d: check_dispatched(d, x, idx, w, tl, "dispatch"),
-                  f"comm.dispatch(x [{tl}, {hl}] bf16, topk_idx [{tl}, 8] int64, topk_weights [{tl}, 8] bf16), cap {tl}")
-        d0 = large.dispatch(x, idx, w)
-        ref0 = check_dispatched(d0, x, idx, w, tl, "dispatch for combine's input")
-        y, handle = d0.x, d0.handle
-        self._add("combine", lambda: large.combine(y, handle), lambda out: check_combined(out, y, ref0, x, "combine"),
-                  f"comm.combine(y [{tl}, {hl}] bf16, handle) -> [{tl}, {hl}] bf16, cap {tl}")
-        dst = torch.empty_like(x)
-        self._add("copy", lambda: dst.copy_(x), lambda out: assert_same(out, x, "copy_"),
-                  f"dst.copy_(src), [{tl}, {hl}] bf16 ({tl * hl * 2} bytes: the payload dispatch moves at W = 1)")
-        dst_kernel = torch.empty_like(x)
-        self._add("copy_kernel", lambda: torch.mul(x, 1, out=dst_kernel),
-                  lambda out: assert_same(out, x, "torch.mul(src, 1, out=dst)"),
-                  f"torch.mul(src, 1, out=dst), [{tl}, {hl}] bf16: an elementwise kernel moving the copy's bytes "
-                  "(ncu's stand-in for the copy_, a memcpy it does not profile)")
-
-        # Rows 3-5: dispatch + combine.
-        self._add_round_trip("dc_small", self.comm(ts, hs), ts, hs)
-        self._add_round_trip("dc_medium", self.comm(tm, hm), tm, hm)
-        self._add_round_trip("dc_decode_bigcap", large, td, hd)
-        decode = self.comm(td, hd)
-        self._add_round_trip("dc_decode", decode, td, hd)
-
-        # Rows 6-7: eager host time on the decode communicator, and an add.
-        xd, idxd, wd = ep_inputs(td, hd, dev)
-        self._add("dispatch_host", lambda: decode.dispatch(xd, idxd, wd),
-                  lambda d: check_dispatched(d, xd, idxd, wd, td, "dispatch (host time)"),
-                  f"comm.dispatch(x [{td}, {hd}] bf16, topk_idx [{td}, 8] int64, topk_weights [{td}, 8] bf16), cap {td}")
-        dd = decode.dispatch(xd, idxd, wd)
-        refd = check_dispatched(dd, xd, idxd, wd, td, "dispatch for combine's input (host time)")
-        yd, hdl = dd.x, dd.handle
-        self._add("combine_host", lambda: decode.combine(yd, hdl),
-                  lambda out: check_combined(out, yd, refd, xd, "combine (host time)"),
-                  f"comm.combine(y [{td}, {hd}] bf16, handle) -> [{td}, {hd}] bf16, cap {td}")
-        a = torch.arange(ADD_NUMEL, dtype=torch.float32, device=dev)
-        b = torch.full((ADD_NUMEL,), 0.5, dtype=torch.float32, device=dev)
-        expected = torch.arange(ADD_NUMEL, dtype=torch.float32) + 0.5
-        self._add("add", lambda: torch.add(a, b), lambda out: assert_same(out, expected, "torch.add"),
-                  f"torch.add(a, b), two [{ADD_NUMEL}] fp32 tensors on {dev}")
-
-    def comm(self, cap: int, hidden: int) -> Communicator:
-        key = (cap, hidden)
-        if key not in self.comms:
-            self.comms[key] = Communicator(dist.group.WORLD, max_tokens_per_rank=cap, hidden=hidden, topk=EP_TOPK,
-                                           num_experts=EP_EXPERTS, dtype=DTYPE, transport=self.rank.transport)
-        return self.comms[key]
-
-    def _add(self, key, run, check, detail) -> None:
-        self.ops[key] = KOp(key, run, check, detail)
-
-    def _add_round_trip(self, key: str, comm: Communicator, tokens: int, hidden: int) -> None:
-        x, idx, w = ep_inputs(tokens, hidden, self.rank.device)
-        cap = comm.max_tokens_per_rank
-
-        def run():
-            d = comm.dispatch(x, idx, w)
-            return d, comm.combine(d.x, d.handle)
-
-        def check(result):
-            d, out = result
-            ref = check_dispatched(d, x, idx, w, cap, f"{key} dispatch")
-            check_combined(out, d.x, ref, x, f"{key} combine")
-
-        self._add(key, run, check, f"d = comm.dispatch(x [{tokens}, {hidden}] bf16, topk_idx int64, topk_weights bf16); "
-                                   f"comm.combine(d.x, d.handle); cap {cap}")
-
-    def check_all(self, keys) -> None:
-        """Run and check every op of ``keys`` once (eager)."""
-        for key in keys:
-            op = self.ops[key]
-            out = op.run()
-            self.rank.sync()
-            op.check(out)
-
-    def close(self) -> None:
-        self.rank.sync()
-        for comm in self.comms.values():
-            comm.close()
-        self.comms.clear()
 
 
 # --------------------------------------------------------------- rows
@@ -382,370 +170,12 @@ def make_rows(shapes: Shapes) -> list[Row]:
     ]
 
 
-# ------------------------------------------------------------- timing
+# ------------------------------------------------------ the ncu child
 
 
-def _kind(event) -> str:
-    """The activity of a device event: "kernel", "gpu_memcpy", "gpu_memset" or another."""
-    kind = getattr(event, "activity_type", None)
-    if kind:
-        return str(kind)
-    return "gpu_memcpy" if event.name.startswith("Memcpy") else "gpu_memset" if event.name.startswith("Memset") \
-        else "kernel"
-
-
-def attribute_device_events(events, annotation: str = ANNOTATION) -> dict[str, list[tuple[str, str, float]]]:
-    """Group a profile's device activities by the record_function range that
-    launched them: {range name without ``annotation``: [(name, kind, us), ...]
-    in start order}. Ranges without device work map to []. A device event
-    belongs to the range above the CPU op its linked correlation id names;
-    one without such a link, to the range it starts in (ranges are sorted by
-    start, each ending where the next begins). Raises where an event is left."""
-    from torch.autograd import DeviceType
-
-    cpu = [e for e in events if e.device_type == DeviceType.CPU]
-    ranges = sorted((e for e in cpu if e.name.startswith(annotation)), key=lambda e: e.time_range.start)
-    by_id = {e.id: e for e in cpu if not getattr(e, "linked_correlation_id", 0)}
-    out: dict[str, list] = {r.name[len(annotation):]: [] for r in ranges}
-    starts = [r.time_range.start for r in ranges]
-    device = [e for e in events if e.device_type != DeviceType.CPU and not e.name.startswith(annotation)
-              and _kind(e) in DEVICE_ACTIVITIES]
-    for e in sorted(device, key=lambda e: e.time_range.start):
-        linked = getattr(e, "linked_correlation_id", 0)
-        owner = by_id.get(linked) if linked > 0 else None
-        while owner is not None and not owner.name.startswith(annotation):
-            owner = owner.cpu_parent
-        if owner is None:  # no correlation: by time
-            i = max((k for k, s in enumerate(starts) if s <= e.time_range.start), default=None)
-            owner = ranges[i] if i is not None else None
-        if owner is None:
-            raise RuntimeError(f"device activity {e.name!r} at {e.time_range.start} us is in no timed call")
-        out[owner.name[len(annotation):]].append((e.name, _kind(e), e.time_range.end - e.time_range.start))
-    return out
-
-
-class Timer:
-    """Device and host times of ops on ``rank``'s device (see the module docstring)."""
-
-    def __init__(self, rank: OneRank):
-        self.rank = rank
-        self.gpu = rank.device.type == "cuda"
-        self.kernels: dict[str, list] = {}  # per op: its calls' [(name, kind, us)] on the GPU
-        self._busy_cycles = None
-
-    # device time -------------------------------------------------------
-    def device_times(self, fns: dict[str, Callable], order: list[str], calls: int) -> dict[str, list[float]]:
-        """``calls`` calls of every op of ``order`` (interleaved: one of each,
-        in that order, per step); per op, every call's device time in us."""
-        if not self.gpu:
-            values: dict[str, list[float]] = {k: [] for k in order}
-            for _ in range(calls):
-                for key in order:
-                    t0 = time.perf_counter()
-                    fns[key]()
-                    values[key].append((time.perf_counter() - t0) * 1e6)
-            return values
-        from torch.profiler import ProfilerActivity, profile, record_function
-
-        self.rank.sync()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for i in range(calls):
-                for key in order:
-                    with record_function(f"{ANNOTATION}{key}#{i}"):
-                        fns[key]()
-                    torch.cuda.synchronize()
-        per_call = attribute_device_events(prof.events())
-        values = {k: [] for k in order}
-        for i in range(calls):
-            for key in order:
-                acts = per_call.get(f"{key}#{i}")
-                if not acts:
-                    raise RuntimeError(f"torch.profiler saw no device activity for call {i} of {key}")
-                values[key].append(sum(us for _, _, us in acts))
-                self.kernels.setdefault(key, []).append(acts)
-        return values
-
-    def kernel_names(self, fns: dict[str, Callable], order: list[str]) -> dict[str, list[str]]:
-        """Per op, the names of the kernels (not memcpys or memsets) one call launches, in order (GPU)."""
-        for key in order:  # first calls (lazy module loading, the allocator) outside the profile
-            fns[key]()
-        self.rank.sync()
-        self.device_times(fns, order, 1)
-        return {k: [name for name, kind, _ in self.kernels[k][-1] if kind == "kernel"] for k in order}
-
-    def breakdown(self, key: str) -> list[tuple[str, str, float]]:
-        """Op ``key``'s device activities, each with its p50 over the calls
-        where the calls launched the same sequence (GPU)."""
-        calls = self.kernels.get(key, [])
-        if not calls:
-            return []
-        shape = [(n, k) for n, k, _ in calls[-1]]
-        same = [c for c in calls if [(n, k) for n, k, _ in c] == shape]
-        return [(n, k, statistics.median(c[i][2] for c in same)) for i, (n, k) in enumerate(shape)]
-
-    # graph replay --------------------------------------------------------
-    def graph_times(self, ops: dict[str, KOp], order: list[str], rounds: int, calls: int) -> dict[str, list[float]]:
-        """Each op captured in a CUDA graph (its replayed result checked), then
-        ``rounds`` x ``calls`` replays each between CUDA events (us)."""
-        clock = _GpuClock()
-        try:
-            replays = {}
-            for key in order:
-                replays[key] = clock.prepare(ops[key].run)
-                out = replays[key]()
-                clock.sync()
-                ops[key].check(out)
-            values: dict[str, list[float]] = {k: [] for k in order}
-            for r in range(rounds):
-                for key in order if r % 2 == 0 else order[::-1]:
-                    clock.sync()
-                    clock.begin(calls)
-                    marks = []
-                    for _ in range(calls):
-                        start = clock.mark()
-                        replays[key]()
-                        marks.append((start, clock.mark()))
-                    clock.sync()
-                    values[key] += [clock.elapsed_us(a, b) for a, b in marks]
-            return values
-        finally:
-            clock.close()
-            self.rank.sync()
-
-    # host time ------------------------------------------------------------
-    def host_block_us(self, fn: Callable, calls: int) -> float:
-        """Host time per call (us) of ``calls`` back-to-back eager calls of ``fn``."""
-        if not self.gpu:
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            return (time.perf_counter() - t0) / calls * 1e6
-        if self._busy_cycles is None:
-            self._busy_cycles = self._cycles_for_ms(BUSY_MS_START)
-        while True:
-            torch.cuda.synchronize()
-            torch.cuda._sleep(self._busy_cycles)
-            guard = torch.cuda.Event()
-            guard.record()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            t1 = time.perf_counter()
-            held = not guard.query()  # the sleep still runs: no call waited for the GPU
-            torch.cuda.synchronize()
-            if held:
-                return (t1 - t0) / calls * 1e6
-            if self._busy_cycles >= self._cycles_for_ms(BUSY_MS_MAX):
-                raise RuntimeError(f"a {BUSY_MS_MAX:.0f} ms sleep kernel did not outlast {calls} eager calls: "
-                                   "the host waited for the GPU (launch queue full?); use fewer --host-calls")
-            self._busy_cycles *= 2
-
-    def _cycles_for_ms(self, ms: float) -> int:
-        if not hasattr(self, "_cycles_per_ms"):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            torch.cuda._sleep(10_000_000)
-            end.record()
-            torch.cuda.synchronize()
-            self._cycles_per_ms = 10_000_000 / max(start.elapsed_time(end), 1e-3)
-        return int(self._cycles_per_ms * ms)
-
-
-# ---------------------------------------------------------------- ncu
-
-
-def find_ncu() -> Optional[str]:
-    """The ncu executable: on PATH, in $CUDA_HOME/bin, or /usr/local/cuda*/bin."""
-    found = shutil.which("ncu")
-    if found:
-        return found
-    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda",
-             *sorted((str(p) for p in Path("/usr/local").glob("cuda-*")), reverse=True)]
-    for root in roots:
-        if root and os.access(Path(root) / "bin" / "ncu", os.X_OK):
-            return str(Path(root) / "bin" / "ncu")
-    return None
-
-
-def function_base(name: str) -> str:
-    """A kernel's function name without return type, namespaces, template
-    arguments and parameters: "void at::native::vectorized_elementwise_kernel<4,
-    ...>(int, ...)" -> "vectorized_elementwise_kernel"."""
-    s = name.replace("(anonymous namespace)", "anon").strip()
-    if s.startswith("void "):
-        s = s[5:]
-    depth, end = 0, len(s)
-    for i, ch in enumerate(s):
-        if ch == "<":
-            depth += 1
-        elif ch == ">":
-            depth -= 1
-        elif ch == "(" and depth == 0:
-            end = i
-            break
-    plain, depth = [], 0
-    for ch in s[:end]:
-        if ch == "<":
-            depth += 1
-        elif ch == ">":
-            depth -= 1
-        elif depth == 0:
-            plain.append(ch)
-    return "".join(plain).split("::")[-1].strip()
-
-
-# Scale of ncu's units to bytes, nanoseconds and plain counts.
-_NCU_UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12, "KB": 1e3, "MB": 1e6, "GB": 1e9,
-              "nsecond": 1, "usecond": 1e3, "msecond": 1e6, "second": 1e9, "ns": 1, "us": 1e3, "ms": 1e6,
-              "inst": 1, "Kinst": 1e3, "Minst": 1e6, "Ginst": 1e9, "%": 1, "": 1}
-
-
-def _ncu_number(value: str, unit: str = "") -> float:
-    v = value.strip().replace(",", "")
-    if not v or v.lower() in ("n/a", "nan"):
-        return math.nan
-    return float(v) * _NCU_UNITS.get(unit.strip(), 1)
-
-
-def parse_ncu_csv(text: str) -> list[dict]:
-    """ncu's CSV (``--csv --page raw``: a header, a units line, a line per
-    kernel; or the long form with "Metric Name"/"Metric Unit"/"Metric Value"
-    columns) as one dict per kernel in ID order: "id", "name" and every
-    metric of NCU_METRICS in bytes, nanoseconds, instructions or %."""
-    lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if '"Kernel Name"' in line), None)
-    if start is None:
-        raise ValueError("no CSV header with \"Kernel Name\" in ncu's output")
-    table = [r for r in csv.reader(lines[start:]) if r]
-    header, rows = table[0], [r for r in table[1:] if len(r) == len(table[0])]
-    col = {name: i for i, name in enumerate(header)}
-    kernels: dict[int, dict] = {}
-    if "Metric Name" in col:
-        for r in rows:
-            if not r[col["ID"]].strip().isdigit():
-                continue
-            k = kernels.setdefault(int(r[col["ID"]]), {"id": int(r[col["ID"]]), "name": r[col["Kernel Name"]]})
-            metric = r[col["Metric Name"]]
-            if metric in NCU_METRICS:
-                unit = r[col["Metric Unit"]] if "Metric Unit" in col else ""
-                k[metric] = _ncu_number(r[col["Metric Value"]], unit)
-    else:
-        units = next((r for r in rows if not r[col["ID"]].strip()), None)
-        for r in rows:
-            if not r[col["ID"]].strip().isdigit():
-                continue
-            k = {"id": int(r[col["ID"]]), "name": r[col["Kernel Name"]]}
-            for metric in NCU_METRICS:
-                if metric in col:
-                    k[metric] = _ncu_number(r[col[metric]], units[col[metric]] if units else "")
-            kernels[k["id"]] = k
-    missing = [m for m in NCU_METRICS if kernels and not any(m in k for k in kernels.values())]
-    if missing:
-        raise ValueError(f"ncu's CSV lacks the metrics {missing}")
-    return [kernels[i] for i in sorted(kernels)]
-
-
-def finite(obj):
-    """``obj`` with NaN and infinite floats as None (plain JSON)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [finite(v) for v in obj]
-    return obj
-
-
-def kernel_metrics(k: dict) -> dict:
-    """One ncu kernel's figures: time_us, dram_pct, dram_bytes, dram_gbs, inst, inst_per_byte."""
-    ns, nbytes, inst = k[NCU_METRICS[3]], k[NCU_METRICS[1]], k[NCU_METRICS[2]]
-    return {"kernel": function_base(k["name"]), "name": k["name"], "time_us": ns / 1e3,
-            "dram_pct": k[NCU_METRICS[0]], "dram_bytes": nbytes,
-            "dram_gbs": nbytes / ns if ns > 0 else math.nan, "inst": inst,
-            "inst_per_byte": inst / nbytes if nbytes > 0 else math.nan}
-
-
-def aggregate(kernels: list[dict]) -> dict:
-    """An op's kernels together: summed time, bytes and instructions; DRAM % of
-    peak weighted by time; GB/s and instructions per byte of the sums."""
-    if not kernels:
-        return {"kernels": 0}
-    t = sum(k["time_us"] for k in kernels)
-    nbytes = sum(k["dram_bytes"] for k in kernels)
-    inst = sum(k["inst"] for k in kernels)
-    pct = sum(k["dram_pct"] * k["time_us"] for k in kernels) / t if t > 0 else math.nan
-    return {"kernels": len(kernels), "time_us": t, "dram_pct": pct, "dram_bytes": nbytes,
-            "dram_gbs": nbytes / (t * 1e3) if t > 0 else math.nan, "inst": inst,
-            "inst_per_byte": inst / nbytes if nbytes > 0 else math.nan}
-
-
-def match_ncu(kernels: list[dict], expected: dict[str, list[str]], order) -> dict[str, list[dict]]:
-    """ncu's kernels (ID order) split into the ops of ``order`` by the kernel
-    names torch.profiler saw each op launch (``expected``, the ones that match
-    NCU_KERNEL_REGEX). Raises ValueError where count or names disagree."""
-    pattern_ = re.compile(NCU_KERNEL_REGEX)
-    wanted = {k: [n for n in expected[k] if pattern_.search(n)] for k in order}
-    total = sum(len(v) for v in wanted.values())
-    if len(kernels) != total:
-        raise ValueError(f"ncu profiled {len(kernels)} kernels, torch.profiler saw {total} matching "
-                         f"{NCU_KERNEL_REGEX!r} in the ops {list(order)}")
-    out, i = {}, 0
-    for key in order:
-        out[key] = []
-        for name in wanted[key]:
-            got = kernels[i]
-            if function_base(got["name"]) != function_base(name):
-                raise ValueError(f"kernel {i}: ncu has {got['name']!r}, torch.profiler saw {name!r} ({key})")
-            out[key].append(kernel_metrics(got))
-            i += 1
-    return out
-
-
-def ncu_command(ncu: str, report: Path, child_args: list[str], launch_cap: int) -> list[str]:
-    return [ncu, "--target-processes", "all", "--profile-from-start", "off",
-            "--kernel-name-base", "demangled", "--kernel-name", f"regex:{NCU_KERNEL_REGEX}",
-            "--launch-count", str(launch_cap), "--metrics", ",".join(NCU_METRICS),
-            "--export", str(report), "--force-overwrite",
-            sys.executable, str(Path(__file__).resolve()), "--ncu-child", *child_args]
-
-
-def run_ncu(ncu: str, child_args: list[str], expected: dict[str, list[str]]) -> tuple[Optional[dict], str]:
-    """Profile NCU_OPS in a child process under ncu: ({op: [kernel figures]},
-    "") or (None, why not)."""
-    launch_cap = sum(len(v) for v in expected.values()) + 16
-    with tempfile.TemporaryDirectory(prefix="bench_kernels_ncu_") as tmp:
-        base = Path(tmp) / "kernels"  # ncu adds .ncu-rep
-        cmd = ncu_command(ncu, base, child_args, launch_cap)
-        print("ncu: " + shlex.join(cmd), flush=True)
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=NCU_TIMEOUT_S)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return None, f"ncu did not finish: {type(e).__name__}: {e}"
-        report = next((f for f in (base.with_suffix(".ncu-rep"), base) if f.exists()), None)
-        if r.returncode != 0 or report is None:
-            tail = (r.stdout + r.stderr)[-3000:]
-            return None, f"ncu exited with {r.returncode}{'' if report else ' and wrote no report'}:\n{tail}"
-        try:
-            imp = subprocess.run([ncu, "--import", str(report), "--csv", "--page", "raw", "--print-units", "base"],
-                                 capture_output=True, text=True, timeout=600)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return None, f"ncu --import did not finish: {type(e).__name__}: {e}"
-        if imp.returncode != 0:
-            return None, f"ncu --import exited with {imp.returncode}:\n{(imp.stdout + imp.stderr)[-3000:]}"
-    try:
-        kernels = parse_ncu_csv(imp.stdout)
-        return match_ncu(kernels, expected, NCU_OPS), ""
-    except ValueError as e:
-        return None, f"ncu's report could not be read against the ops: {e}"
-
-
-def ncu_version(ncu: str) -> str:
-    try:
-        out = subprocess.run([ncu, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
-        return out.splitlines()[-1] if out else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+def ncu_child_command(child_args: list[str]) -> list[str]:
+    """This script's command line as ncu's child: ``--ncu-child`` and ``child_args``."""
+    return [sys.executable, str(Path(__file__).resolve()), "--ncu-child", *child_args]
 
 
 def ncu_child(device: str, shapes: Shapes) -> int:
@@ -847,6 +277,17 @@ def measure_row(row: Row, cases: Cases, timer: Timer, rounds: int, calls: int, h
     value = ratio if row.target_kind == "ratio" else op.p50_us
     return {"row": row, "stats": stats, "graph": graph, "ratio": ratio,
             "met": (value <= row.target) if timer.gpu else None}
+
+
+def finite(obj):
+    """``obj`` with NaN and infinite floats as None (plain JSON)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
 
 
 def result_line(rec: dict, cases: Cases, timer: Timer) -> dict:
@@ -1000,7 +441,8 @@ def main(argv=None) -> int:
                     cases.close()  # the child builds its own; give it the memory
                     cases = None
                     torch.cuda.empty_cache()
-                    ncu, why = run_ncu(exe, ["--device", "cuda"] + (["--quick"] if args.quick else []), expected)
+                    child = ncu_child_command(["--device", "cuda"] + (["--quick"] if args.quick else []))
+                    ncu, why = run_ncu(exe, child, expected, NCU_OPS, tmp_prefix=f"{NAME}_ncu_")
                     if ncu is None:
                         note(f"--ncu: no ncu columns: {why}")
                         status = 1

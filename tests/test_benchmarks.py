@@ -2,7 +2,8 @@
 user runs them: they succeed, the results file has its header and positive
 times, an existing results file is never overwritten, the heatmap is saved.
 Plus bench_ep's --cap, and bench_kernels.py on the CPU transport with the
-parsers of its GPU-only paths (torch.profiler events, ncu's CSV) on
+parsers of its GPU-only paths (torch.profiler events:
+rdna4_comm._bench.profiling; ncu's CSV: rdna4_comm._bench.ncu) on
 recorded-format inputs."""
 from __future__ import annotations
 
@@ -131,7 +132,7 @@ def test_bench_kernels_on_cpu(tmp_path):
 
 
 def _bench_kernels_module():
-    """benchmarks/bench_kernels.py as a module (for its GPU-only parsers)."""
+    """benchmarks/bench_kernels.py as a module (for its ncu child's command line)."""
     if "bench_kernels" not in sys.modules:
         sys.path.insert(0, str(ROOT / "benchmarks"))  # its "import _common"
         spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "benchmarks" / "bench_kernels.py")
@@ -151,9 +152,10 @@ COMBINE = ("rdna4_comm::gpu::(anonymous namespace)::combine_kernel(rdna4_comm::g
 
 
 def test_bench_kernels_reads_ncu_csv_and_matches_its_kernels_to_the_ops():
-    bk = _bench_kernels_module()
-    assert bk.function_base(ELEMENTWISE) == "vectorized_elementwise_kernel"
-    assert bk.function_base(DISPATCH) == "dispatch_kernel" and bk.function_base("combine_kernel") == "combine_kernel"
+    from rdna4_comm._bench import ncu
+
+    assert ncu.function_base(ELEMENTWISE) == "vectorized_elementwise_kernel"
+    assert ncu.function_base(DISPATCH) == "dispatch_kernel" and ncu.function_base("combine_kernel") == "combine_kernel"
 
     cols = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream", "Block Size",
             "Grid Size", "Device", "CC", "dram__bytes.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
@@ -172,33 +174,33 @@ def test_bench_kernels_reads_ncu_csv_and_matches_its_kernels_to_the_ops():
         kernel(1, DISPATCH, "117,440,512", "80.25", "40,000", "1,174,405"),
         kernel(2, COMBINE, "117,440,512", "75", "50,000", "0"),
     ])
-    kernels = bk.parse_ncu_csv(wide)
+    kernels = ncu.parse_ncu_csv(wide)
     assert [k["id"] for k in kernels] == [0, 1, 2]
     assert kernels[1]["dram__bytes.sum"] == 117_440_512 and kernels[1]["gpu__time_duration.sum"] == 40_000
     assert kernels[0]["dram__throughput.avg.pct_of_peak_sustained_elapsed"] == 1.5
 
     long_rows = [line(["ID", "Kernel Name", "Metric Name", "Metric Unit", "Metric Value"])]
     for k in kernels:
-        for metric in bk.NCU_METRICS:
+        for metric in ncu.NCU_METRICS:
             unit = {"dram__bytes.sum": "Mbyte", "gpu__time_duration.sum": "usecond"}.get(metric, "")
             value = k[metric] / {"Mbyte": 1e6, "usecond": 1e3}.get(unit, 1)
             long_rows.append(line([k["id"], k["name"], metric, unit, f"{value:.9g}"]))
-    assert bk.parse_ncu_csv("\n".join(long_rows)) == kernels
+    assert ncu.parse_ncu_csv("\n".join(long_rows)) == kernels
 
-    by_op = bk.match_ncu(kernels, {"dispatch": [ELEMENTWISE, DISPATCH], "copy": [], "combine": [COMBINE]},
-                         ("dispatch", "copy", "combine"))
+    by_op = ncu.match_ncu(kernels, {"dispatch": [ELEMENTWISE, DISPATCH], "copy": [], "combine": [COMBINE]},
+                          ("dispatch", "copy", "combine"))
     assert [k["kernel"] for k in by_op["dispatch"]] == ["vectorized_elementwise_kernel", "dispatch_kernel"]
     assert by_op["copy"] == [] and by_op["combine"][0]["inst_per_byte"] == 0
     d = by_op["dispatch"][1]
     assert d["time_us"] == 40 and d["dram_gbs"] == pytest.approx(117_440_512 / 40_000)
     assert d["inst_per_byte"] == pytest.approx(1_174_405 / 117_440_512)
-    total = bk.aggregate(by_op["dispatch"])
+    total = ncu.aggregate(by_op["dispatch"])
     assert total["kernels"] == 2 and total["time_us"] == 42 and total["dram_bytes"] == 117_440_512 + 4096
     assert total["dram_pct"] == pytest.approx((1.5 * 2 + 80.25 * 40) / 42)
     with pytest.raises(ValueError, match="profiled 3 kernels"):
-        bk.match_ncu(kernels, {"dispatch": [DISPATCH], "combine": [COMBINE]}, ("dispatch", "combine"))
+        ncu.match_ncu(kernels, {"dispatch": [DISPATCH], "combine": [COMBINE]}, ("dispatch", "combine"))
     with pytest.raises(ValueError, match="torch.profiler saw"):
-        bk.match_ncu(kernels, {"combine": [COMBINE, DISPATCH, ELEMENTWISE]}, ("combine",))
+        ncu.match_ncu(kernels, {"combine": [COMBINE, DISPATCH, ELEMENTWISE]}, ("combine",))
 
 
 def test_bench_kernels_groups_profiler_events_by_call():
@@ -209,8 +211,9 @@ def test_bench_kernels_groups_profiler_events_by_call():
 
     from torch.autograd import DeviceType
 
-    bk = _bench_kernels_module()
-    a = bk.ANNOTATION
+    from rdna4_comm._bench import profiling
+
+    a = profiling.ANNOTATION
 
     def ev(id_, name, start, end, kind, device=DeviceType.CPU, linked=0, parent=None):
         return SimpleNamespace(id=id_, name=name, time_range=SimpleNamespace(start=start, end=end),
@@ -227,17 +230,20 @@ def test_bench_kernels_groups_profiler_events_by_call():
               ev(102, f"{a}dispatch#0", 5, 14, "gpu_user_annotation", DeviceType.CUDA, linked=1),
               ev(103, "Memcpy DtoD (Device -> Device)", 24, 28, "gpu_memcpy", DeviceType.CUDA, linked=0),
               ev(104, "Event Sync", 28, 29, "cuda_sync", DeviceType.CUDA, linked=4)]
-    got = bk.attribute_device_events(events)
+    got = profiling.attribute_device_events(events)
     assert got == {"dispatch#0": [(DISPATCH, "kernel", 7), (ELEMENTWISE, "kernel", 1)],
                    "copy#0": [("Memcpy DtoD (Device -> Device)", "gpu_memcpy", 4)]}
     with pytest.raises(RuntimeError, match="in no timed call"):
-        bk.attribute_device_events([r1, ev(105, COMBINE, 1, 2, "kernel", DeviceType.CUDA)])
+        profiling.attribute_device_events([r1, ev(105, COMBINE, 1, 2, "kernel", DeviceType.CUDA)])
 
 
 def test_bench_kernels_runs_ncu_and_reads_its_report(tmp_path):
     """run_ncu's plumbing against a stand-in ncu (a script): the profiling
-    command (flags, the child's command line), the --import of the report it
-    wrote, and the kernels split into the ops; and a failing ncu reported."""
+    command (flags, bench_kernels' child command line), the --import of the
+    report it wrote, and the kernels split into the ops; and a failing ncu
+    reported."""
+    from rdna4_comm._bench import ncu
+
     bk = _bench_kernels_module()
     csv_text = "\n".join([
         '"ID","Kernel Name","dram__bytes.sum","dram__throughput.avg.pct_of_peak_sustained_elapsed",'
@@ -258,15 +264,15 @@ esac
     fake.chmod(0o755)
     expected = {k: [] for k in bk.NCU_OPS}
     expected["dispatch"], expected["combine"] = [DISPATCH], [COMBINE]
-    got, why = bk.run_ncu(str(fake), ["--device", "cuda"], expected)
+    got, why = ncu.run_ncu(str(fake), bk.ncu_child_command(["--device", "cuda"]), expected, bk.NCU_OPS)
     assert why == "" and got["dispatch"][0]["dram_gbs"] == 10 and got["combine"][0]["inst_per_byte"] == 0.01
     profile, imported = (tmp_path / "calls").read_text().splitlines()
     for flag in ("--profile-from-start off", "--kernel-name-base demangled",
-                 f"--kernel-name regex:{bk.NCU_KERNEL_REGEX}", "--metrics " + ",".join(bk.NCU_METRICS),
+                 f"--kernel-name regex:{ncu.NCU_KERNEL_REGEX}", "--metrics " + ",".join(ncu.NCU_METRICS),
                  "--launch-count 18", "bench_kernels.py --ncu-child --device cuda"):
         assert flag in profile
     assert imported.startswith("--import ") and imported.endswith("--csv --page raw --print-units base")
 
     fake.write_text("#!/bin/sh\necho '==ERROR== ERR_NVGPUCTRPERM' >&2\nexit 1\n")
-    got, why = bk.run_ncu(str(fake), [], expected)
+    got, why = ncu.run_ncu(str(fake), bk.ncu_child_command([]), expected, bk.NCU_OPS)
     assert got is None and "exited with 1" in why and "ERR_NVGPUCTRPERM" in why

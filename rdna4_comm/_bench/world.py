@@ -1,7 +1,8 @@
 """The world the benchmarks and the demo run in: one process per GPU
 (transport "gpu") or plain CPU processes (transport "cpu"), each with its
 process groups set up (:class:`BenchRank`); rank 0 streams messages back to
-the launching process."""
+the launching process. Or a world of one process, the calling one
+(:class:`OneRank`, for benchmarks/bench_kernels.py)."""
 from __future__ import annotations
 
 import gc
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from .._launch import Member, ProcessWorld
+from .._launch import Member, ProcessWorld, free_port
 
 
 class CheckFailed(AssertionError):
@@ -120,6 +121,37 @@ class BenchRank:
         """Wait for the GPU's queued work, then leave the process groups."""
         if self.transport == "gpu":
             torch.cuda.synchronize(self.device)
+        dist.destroy_process_group()
+
+
+class OneRank:
+    """A world of one process, this one: a gloo group on 127.0.0.1 (rank 0
+    of 1) that bootstraps the communicators; ``device`` "cuda": transport
+    "gpu" on cuda:0, "cpu": transport "cpu". Has what :func:`describe` reads."""
+
+    rank, world, baseline = 0, 1, "torch"
+
+    def __init__(self, device: str):
+        self.transport = "gpu" if device == "cuda" else "cpu"
+        if device == "cuda":
+            self.device = torch.device("cuda", 0)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+            # The CPU transport does its copies on the calling thread; torch's
+            # baselines run on one thread too (torch's thread pool also costs
+            # milliseconds per op on small, loaded machines).
+            torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+    def sync(self) -> None:
+        """Wait for the GPU's queued work (CPU: nothing to wait for)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        """Wait for the GPU's queued work, then leave the process group."""
+        self.sync()
         dist.destroy_process_group()
 
 

@@ -1,0 +1,179 @@
+"""The ops of benchmarks/bench_kernels.py's rows (its docstring says what each
+row times), in a world of one rank (:class:`~rdna4_comm._bench.world.OneRank`):
+:class:`Cases` builds the communicators, inputs and ops, each op a
+:class:`KOp` with the check its result passes before it is timed.
+
+Inputs: x [T, H] bf16 (:func:`~rdna4_comm._bench.checks.pattern`), topk_idx
+[T, 8] int64 and topk_weights [T, 8] bf16 (top-8 of 256 experts, distinct and
+uniform per token: :func:`~rdna4_comm._bench.cases.ep_routing`). Checks are
+bitwise, against rdna4_comm.reference.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .. import reference
+from ..communicator import Communicator
+from .cases import EP_BITS, EP_EXPERTS, EP_TOPK, ep_routing
+from .checks import assert_dispatched, assert_same, pattern
+from .world import OneRank
+
+DTYPE = torch.bfloat16
+SEED = 0
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """(T, H) of the rows; capacity = T unless a row says otherwise."""
+
+    large: tuple  # rows 1-2; its communicator (cap = T) is row 5's large capacity
+    small: tuple  # row 3
+    medium: tuple  # row 4
+    decode: tuple  # row 5 (cap = large T against cap = T) and rows 6-7 (cap = T); H = large H
+
+
+GPU_SHAPES = Shapes(large=(4096, 7168), small=(8, 4096), medium=(128, 7168), decode=(8, 7168))
+CPU_SHAPES = Shapes(large=(256, 512), small=(8, 256), medium=(64, 512), decode=(8, 512))
+ADD_NUMEL = 8  # the host-time baseline: torch.add of two [8] fp32 tensors
+
+
+@dataclass(frozen=True)
+class KOp:
+    """One op: ``run()`` launches it on fixed inputs (capturable in a CUDA
+    graph: no host sync); ``check(run())`` raises AssertionError when the
+    result is wrong; ``detail`` says what exactly runs."""
+
+    key: str
+    run: Callable[[], Any]
+    check: Callable[[Any], None]
+    detail: str
+
+
+def ep_inputs(tokens: int, hidden: int, device) -> tuple:
+    """x [T, H] bf16, topk_idx [T, 8] int64 (distinct uniform ids of 256) and
+    topk_weights [T, 8] bf16 on ``device``."""
+    idx, w = ep_routing(0, tokens, EP_TOPK, EP_EXPERTS, SEED)
+    x = pattern(0, tokens, hidden, DTYPE, device, bits=EP_BITS)
+    return x, idx.to(torch.int64).to(device), w.to(DTYPE).to(device)
+
+
+def check_dispatched(d, x, idx, w, cap: int, what: str):
+    """Raise unless ``d`` (a Dispatched) is what rdna4_comm.reference.dispatch
+    gives for this one rank (rdna4_comm._bench.checks.assert_dispatched:
+    counts; rows [0, counts.sum()) of x [cap, H] bf16, the rows after them
+    being padding, unspecified; topk_idx [cap, 8] int64 with -1 padding and
+    topk_weights [cap, 8] bf16 with 0 padding, whole; every handle field).
+    Returns the reference's Dispatched."""
+    ref = reference.dispatch([x.cpu()], [idx.cpu()], [w.cpu()], num_experts=EP_EXPERTS, max_tokens_per_rank=cap)[0]
+    assert_dispatched(d, ref, f"{what}:")
+    return ref
+
+
+def check_combined(out, y, ref, x, what: str) -> None:
+    """Raise unless ``out`` = reference.combine of ``y`` under the reference
+    handle ``ref``, and (W = 1: each token comes back once) equals ``x``."""
+    assert_same(out, reference.combine([y.cpu()], [ref])[0], f"{what}: combine vs rdna4_comm.reference")
+    assert_same(out, x, f"{what}: combine(dispatch(x).x) == x")
+
+
+class Cases:
+    """The communicators, inputs and ops of every row (see the module
+    docstring), on ``rank``'s device; :meth:`check_all` checks them."""
+
+    def __init__(self, rank: OneRank, shapes: Shapes):
+        self.rank, self.shapes = rank, shapes
+        dev = rank.device
+        (tl, hl), (ts, hs), (tm, hm), (td, hd) = shapes.large, shapes.small, shapes.medium, shapes.decode
+        assert hd == hl, "the decode rows run on the large communicator too: same hidden size"
+        self.comms: dict[tuple, Communicator] = {}
+        self.ops: dict[str, KOp] = {}
+        large = self.comm(tl, hl)
+
+        # Rows 1-2: dispatch and combine of T = cap tokens, and the copy of the same bytes.
+        x = self._add_dispatch_and_combine("", "", large, tl, hl)
+        dst = torch.empty_like(x)
+        self._add("copy", lambda: dst.copy_(x), lambda out: assert_same(out, x, "copy_"),
+                  f"dst.copy_(src), [{tl}, {hl}] bf16 ({tl * hl * 2} bytes: the payload dispatch moves at W = 1)")
+        dst_kernel = torch.empty_like(x)
+        self._add("copy_kernel", lambda: torch.mul(x, 1, out=dst_kernel),
+                  lambda out: assert_same(out, x, "torch.mul(src, 1, out=dst)"),
+                  f"torch.mul(src, 1, out=dst), [{tl}, {hl}] bf16: an elementwise kernel moving the copy's bytes "
+                  "(ncu's stand-in for the copy_, a memcpy it does not profile)")
+
+        # Rows 3-5: dispatch + combine.
+        self._add_round_trip("dc_small", self.comm(ts, hs), ts, hs)
+        self._add_round_trip("dc_medium", self.comm(tm, hm), tm, hm)
+        self._add_round_trip("dc_decode_bigcap", large, td, hd)
+        decode = self.comm(td, hd)
+        self._add_round_trip("dc_decode", decode, td, hd)
+
+        # Rows 6-7: eager host time on the decode communicator, and an add.
+        self._add_dispatch_and_combine("_host", " (host time)", decode, td, hd)
+        a = torch.arange(ADD_NUMEL, dtype=torch.float32, device=dev)
+        b = torch.full((ADD_NUMEL,), 0.5, dtype=torch.float32, device=dev)
+        expected = torch.arange(ADD_NUMEL, dtype=torch.float32) + 0.5
+        self._add("add", lambda: torch.add(a, b), lambda out: assert_same(out, expected, "torch.add"),
+                  f"torch.add(a, b), two [{ADD_NUMEL}] fp32 tensors on {dev}")
+
+    def comm(self, cap: int, hidden: int) -> Communicator:
+        key = (cap, hidden)
+        if key not in self.comms:
+            self.comms[key] = Communicator(dist.group.WORLD, max_tokens_per_rank=cap, hidden=hidden, topk=EP_TOPK,
+                                           num_experts=EP_EXPERTS, dtype=DTYPE, transport=self.rank.transport)
+        return self.comms[key]
+
+    def _add(self, key, run, check, detail) -> None:
+        self.ops[key] = KOp(key, run, check, detail)
+
+    def _add_dispatch_and_combine(self, suffix: str, note: str, comm: Communicator, tokens: int,
+                                  hidden: int) -> torch.Tensor:
+        """Ops "dispatch<suffix>" (x [T, H] bf16 with its routing, T = the
+        communicator's capacity) and "combine<suffix>" (y = a checked
+        dispatch's x [T, H] bf16, its handle); ``note`` ends their check
+        messages. Returns x."""
+        x, idx, w = ep_inputs(tokens, hidden, self.rank.device)
+        self._add(f"dispatch{suffix}", lambda: comm.dispatch(x, idx, w),
+                  lambda d: check_dispatched(d, x, idx, w, tokens, f"dispatch{note}"),
+                  f"comm.dispatch(x [{tokens}, {hidden}] bf16, topk_idx [{tokens}, 8] int64, "
+                  f"topk_weights [{tokens}, 8] bf16), cap {tokens}")
+        d = comm.dispatch(x, idx, w)
+        ref = check_dispatched(d, x, idx, w, tokens, f"dispatch for combine's input{note}")
+        y, handle = d.x, d.handle
+        self._add(f"combine{suffix}", lambda: comm.combine(y, handle),
+                  lambda out: check_combined(out, y, ref, x, f"combine{note}"),
+                  f"comm.combine(y [{tokens}, {hidden}] bf16, handle) -> [{tokens}, {hidden}] bf16, cap {tokens}")
+        return x
+
+    def _add_round_trip(self, key: str, comm: Communicator, tokens: int, hidden: int) -> None:
+        x, idx, w = ep_inputs(tokens, hidden, self.rank.device)
+        cap = comm.max_tokens_per_rank
+
+        def run():
+            d = comm.dispatch(x, idx, w)
+            return d, comm.combine(d.x, d.handle)
+
+        def check(result):
+            d, out = result
+            ref = check_dispatched(d, x, idx, w, cap, f"{key} dispatch")
+            check_combined(out, d.x, ref, x, f"{key} combine")
+
+        self._add(key, run, check, f"d = comm.dispatch(x [{tokens}, {hidden}] bf16, topk_idx int64, topk_weights bf16); "
+                                   f"comm.combine(d.x, d.handle); cap {cap}")
+
+    def check_all(self, keys) -> None:
+        """Run and check every op of ``keys`` once (eager)."""
+        for key in keys:
+            op = self.ops[key]
+            out = op.run()
+            self.rank.sync()
+            op.check(out)
+
+    def close(self) -> None:
+        self.rank.sync()
+        for comm in self.comms.values():
+            comm.close()
+        self.comms.clear()
