@@ -2,8 +2,8 @@
 measured on), one .cu file (op family) at a time, without warnings, within
 the 128 registers a 512-thread block allows. None spills but dispatch, whose
 sender keeps a batch's routing state beside the copy loop's eight vectors in
-flight: its spills (about 0.5 KiB) are that state, reloaded once per row, not
-in the copy loop itself; the bound below keeps them from growing unseen.
+flight: its spills (about 0.5 KiB) are mostly that state, reloaded once per
+row; the bound below keeps them from growing unseen.
 
 Also checks the GPU transport's host glue (csrc/gpu/gpu_comm.cpp, which
 includes torch's CUDA headers) compiles against the installed torch and the
