@@ -209,9 +209,10 @@ static_assert(kMaxGpuWorld * kMaxGpuTokensPerRank <= (int64_t(1) << 22), "a recv
 // streams at most, W + 1 counted), receivers read the heap and write the
 // output for the (W - 1) / W of the rows that came from peers (2 (W - 1)
 // counted); combine mirrors that. Each role keeps at least one block, and
-// the role that takes whole chunks of this rank's tokens spreads them evenly
-// (every block the same number of chunks, give or take none): a block with
-// one chunk more than the others would run its last chunk alone. The split
+// the role that takes whole chunks of this rank's tokens uses as few blocks
+// as keep its busiest block's chunk count least: every block but the last
+// takes that many (10 chunks on at most 4 blocks: 3, 3, 3, 1), since a block
+// with one chunk more than the others would run its last chunk alone. The split
 // comes from this count, not yet from a 2-GPU measurement (docs/performance.md).
 struct EpGrid {
   int send_blocks;
@@ -220,7 +221,8 @@ struct EpGrid {
 RC_HD int clamp_blocks(int64_t want, int64_t most) {
   return int(want < 1 ? 1 : (want > most ? (most < 1 ? 1 : most) : want));
 }
-// At most `most` blocks for n equal work items, each block the same number of them.
+// At most `most` blocks for n equal work items: the fewest blocks that give
+// no block more items than ceil(n / min(n, most)).
 RC_HD int even_blocks(int64_t n, int64_t most) {
   const int64_t per = ceil_div(n, clamp_blocks(n, most));
   return clamp_blocks(ceil_div(n, per), most);

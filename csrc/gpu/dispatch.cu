@@ -224,9 +224,9 @@ RC_DEVICE bool dispatch_receiver(const Env& env, const DispatchArgs& a, Dispatch
       sh.item_first[tid + 1] = nrows;
     }
     if (!block_all(got)) return false;
-    for_item_rows(sh.item_first, G, [&](int g, int64_t k, const RowGroups& rg) {
+    for_item_rows(sh.item_first, G, [&](int g, int64_t row_in_item, const RowGroups& rg) {
       const int s = sh.item_src[g];
-      const int64_t hr = sh.item_row_start[g] + k;  // the source's row
+      const int64_t hr = sh.item_row_start[g] + row_in_item;  // the source's row
       const int64_t o = sh.src.offset[s] + hr;      // its output row
       const char* row = L.dispatch_row(env.data[me], gen, s, hr);
       RankPtrs dst;
