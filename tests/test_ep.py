@@ -87,7 +87,7 @@ def test_large_batches_span_multi_token_chunks(world, tokens):
     past 65536 chunks of more than one block of tokens."""
     W = world.size
     cfg = ep_config(tokens, 8, 8, 8 * W, torch.bfloat16)
-    Ts = [tokens - (r * tokens) // 3 for r in range(W)]
+    Ts = [tokens - (r % 3 * tokens) // 3 for r in range(W)]  # T, 2T/3, T/3, T, ... at any world size
     check_round_trip(world, cfg, tokens, Ts, "random", True)
 
 
@@ -121,8 +121,8 @@ def test_interleaved_handles(world):
     W = world.size
     cfg_a = ep_config(16, 24, 4, 2 * W, torch.bfloat16)
     cfg_b = ep_config(9, 8, 3, 3 * W, torch.float16)
-    Ts_a = [16 - 3 * r for r in range(W)]
-    Ts_b = [9 - 2 * r for r in range(W)]
+    Ts_a = [16 - 3 * (r % 6) for r in range(W)]  # 16, 13, ..., 1: in [0, cap] at any world size
+    Ts_b = [9 - 2 * (r % 5) for r in range(W)]
     results = world.run(t_interleaved, cfg_a, cfg_b, 50, Ts_a, Ts_b)
     for i, (cfg, Ts) in enumerate(((cfg_a, Ts_a), (cfg_a, Ts_a), (cfg_b, Ts_b))):
         ref, ref_out = expected_round_trip(W, cfg, 50 + i, Ts, "random", True, salt=i)

@@ -165,7 +165,9 @@ RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineSha
   char* out = static_cast<char*>(a.out);
   const int64_t per = ceil_div(nch, nblocks), c0 = int64_t(j) * per, c1 = c0 + per < nch ? c0 + per : nch;
   if (c0 >= c1) return;
-  chunk_row_starts(T, C, nch, 1, [&](int64_t t) { return uint32_t(a.send_mask[t]) >> me & 1u; }, sh.start);
+  // Own rows before this block's run: start[c0][0], counted over the
+  // tokens of chunks [0, c0) alone.
+  chunk_row_starts(c0 * C, C, c0, 1, [&](int64_t t) { return uint32_t(a.send_mask[t]) >> me & 1u; }, sh.start);
   const int64_t own_base = sh.src.offset[me];
   if (tid == 0) sh.run[0] = sh.start[c0][0];
   for (int64_t g0 = c0; g0 < c1; g0 += G) {

@@ -112,7 +112,7 @@ RC_DEVICE void dispatch_sender(const Env& env, const DispatchArgs& a, DispatchSh
         }
         for (int k = int(g.first); k < K; k += int(g.stride)) {
           const int64_t e = int64_t(route.idx[tok * K + k]);
-          const int owner = expert_owner(e, a.num_experts, route.epr);
+          const int owner = device_expert_owner(e, a.num_experts, route.epr);
           const float w = a.topk_weights ? load_weight(a.topk_weights, tok * K + k, a.weights_dtype) : 0.f;
 #pragma unroll
           for (int d = 0; d < kMaxGpuWorld; ++d) {
