@@ -160,8 +160,9 @@ std::string Comm::device_bad_handle_message(uint64_t word) const {
   std::ostringstream expected;
   switch (field) {
     case kHandleRecvSrc:
-      expected << "-1 past the received rows (handle.counts.sum()), and below them s * " << cap
-               << " + t for a row of source rank s, t below its token count (handle.src_tokens[s])";
+      expected << "for a received row (below handle.counts.sum()) s * " << cap
+               << " + t, s its source rank and t below that rank's token count (handle.src_tokens[s]), "
+                  "greater than the row before it from the same source (a source's rows ascend by token)";
       break;
     case kHandleCounts: expected << "a row count in [0, " << cap << "] (max_tokens_per_rank)"; break;
     case kHandleSrcTokens:

@@ -279,10 +279,19 @@ def last_row(h):
     return j, int(torch.searchsorted(h.counts.cumsum(0), j, right=True))
 
 
+def second_row_of_a_source(h):
+    """The second row of the first source that sent this rank two rows or more."""
+    counts = h.counts.tolist()
+    s = next(s for s, n in enumerate(counts) if n >= 2)
+    return sum(counts[:s]) + 1
+
+
 # id -> (forged handle built from e, message fragment), "{...}" filled from e.
 HANDLE_CASES = {
     "handle.recv_src": (lambda e: e.h._replace(recv_src=with_value(e.h.recv_src, e.j, e.past_source)),
                         "combine: handle.recv_src[{j}] = {past_source} is out of range: expected"),
+    "handle.recv_src_order": (lambda e: e.h._replace(recv_src=with_value(e.h.recv_src, e.j2, e.before_j2)),
+                              "combine: handle.recv_src[{j2}] = {before_j2} is out of range: expected"),
     "handle.counts": (lambda e: e.h._replace(counts=with_value(e.h.counts, 0, CAP + 1)),
                       "combine: handle.counts[0] = 7 is out of range: expected a row count in [0, 6]"),
     "handle.counts_negative": (lambda e: e.h._replace(counts=with_value(e.h.counts, e.peer, -1)),
@@ -318,8 +327,10 @@ def t_bad_handle(ctx, case):
         foreign = other.dispatch(xf, idxf, wf)
     y = expert_fn(d.x, ctx.rank)
     j, s = last_row(d.handle)
+    j2 = second_row_of_a_source(d.handle)
     e = SimpleNamespace(W=W, rank=ctx.rank, peer=(ctx.rank + 1) % W, h=d.handle, d2=d2, comm=comm, foreign=foreign,
                         j=j, past_source=s * CAP + int(d.handle.src_tokens[s]),
+                        j2=j2, before_j2=int(d.handle.recv_src[j2 - 1]),
                         beyond_world=int(d.handle.send_mask[0]) | (1 << W))
     handle = HANDLE_CASES[case][0](e) if ctx.rank == BAD_RANK else d.handle
     inputs = [t.clone() for t in (y, *handle[:4])]
@@ -337,7 +348,7 @@ def t_bad_handle(ctx, case):
     # Bytes, not values: y's rows past the received ones come from x's unspecified padding and may be NaN.
     untouched = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(inputs, (y, *handle[:4])))
     untouched = untouched and bool((guard == 3.0).all())
-    fields = {k: getattr(e, k) for k in ("W", "rank", "peer", "j", "past_source", "beyond_world")}
+    fields = {k: getattr(e, k) for k in ("W", "rank", "peer", "j", "past_source", "j2", "before_j2", "beyond_world")}
     if other is not None:
         other.close()
     if gpu:  # the peers complete; a new communicator works

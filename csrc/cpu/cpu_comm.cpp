@@ -319,12 +319,19 @@ class CpuComm final : public Comm {
     int64_t j = 0;
     for (int s = 0; s < W; ++s) {
       const int64_t first = s * cap, end = first + src_tokens[s];
-      for (int32_t k = 0; k < counts[s]; ++k, ++j)
+      for (int32_t k = 0; k < counts[s]; ++k, ++j) {
         if (recv_src[j] < first || recv_src[j] >= end)
           fail(kHandleRecvSrc, j, recv_src[j],
                "a row of source rank " + std::to_string(s) + ", " + std::to_string(s) + " * " + std::to_string(cap) +
                    " + t with t below " + std::to_string(src_tokens[s]) + " (the source rank " + std::to_string(s) +
                    "'s token count): in [" + std::to_string(first) + ", " + std::to_string(end) + ")");
+        // Chunks of a source's tokens are runs of its rows: out of order, a
+        // row would travel with another chunk than its flag announces.
+        if (k > 0 && recv_src[j] <= recv_src[j - 1])
+          fail(kHandleRecvSrc, j, recv_src[j],
+               "greater than handle.recv_src[" + std::to_string(j - 1) + "] = " + std::to_string(recv_src[j - 1]) +
+                   " (a source's rows ascend by token)");
+      }
     }
     // recv_src past the received rows is never read, so any value passes.
   }

@@ -55,9 +55,11 @@ RC_DEVICE int64_t row_token(const CombineArgs& a, const Sources& src, int64_t ca
 }
 
 // With valid counts: the grid checks recv_src on every received row (a
-// token of the row's source) and every send_mask bit (ranks of the world
-// only), each thread a strided share. recv_src past the received rows is
-// never read, so it is not checked.
+// token of the row's source, above the row before it from that source:
+// chunks of a source's tokens are runs of its rows, and a row out of order
+// would travel with another chunk than its flag announces) and every
+// send_mask bit (ranks of the world only), each thread a strided share.
+// recv_src past the received rows is never read, so it is not checked.
 RC_DEVICE void check_handle_rows(const Env& env, const CombineArgs& a, const Sources& src) {
   const int W = env.world;
   const int64_t cap = env.layout.cap, stride = int64_t(gridDim.x) * blockDim.x;
@@ -65,7 +67,8 @@ RC_DEVICE void check_handle_rows(const Env& env, const CombineArgs& a, const Sou
   for (int64_t j = first; j < src.offset[W]; j += stride) {
     int s = 0;
     while (j >= src.offset[s + 1]) ++s;
-    if (row_token(a, src, cap, s, j) < 0) record_error(env, encode_bad_handle(kHandleRecvSrc, j, a.recv_src[j]));
+    if (row_token(a, src, cap, s, j) < 0 || (j > src.offset[s] && a.recv_src[j] <= a.recv_src[j - 1]))
+      record_error(env, encode_bad_handle(kHandleRecvSrc, j, a.recv_src[j]));
   }
   for (int64_t t = first; t < a.ntok; t += stride)
     if (uint32_t(a.send_mask[t]) & ~all_ranks(env))
@@ -75,8 +78,8 @@ RC_DEVICE void check_handle_rows(const Env& env, const CombineArgs& a, const Sou
 // start[c][s] for every peer source s and c in [0, its chunks]: one pass
 // over its rows, row j setting the chunks from the one after row j - 1's up
 // to its own. A handle whose rows are not in token order (recorded by
-// check_handle_rows where a value is out of range) gives wrong ranges, but
-// every one lies within the source's rows.
+// check_handle_rows) gives wrong ranges, but every one lies within the
+// source's rows.
 RC_DEVICE void peer_chunk_starts(const Env& env, const CombineArgs& a, CombineShared& sh) {
   const int me = env.rank, W = env.world, tid = threadIdx.x, nt = blockDim.x;
   const int64_t cap = env.layout.cap;
