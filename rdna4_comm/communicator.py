@@ -561,7 +561,9 @@ class Communicator:
         out = _OPS.combine.default(
             y, handle.recv_src, handle.counts, handle.src_tokens, handle.send_mask, self._order, self.id
         )
-        return out.view(*handle.token_shape, self.hidden)
+        # The op returns [T, H]: a flat dispatch needs no view (an op call of
+        # its own, on the eager path's host time).
+        return out if len(handle.token_shape) == 1 else out.view(*handle.token_shape, self.hidden)
 
     # ---------------------------------------------------------- lifecycle
 
