@@ -35,7 +35,8 @@ from ._bench.report import format_table
 from ._bench.timing import measure
 from ._bench.world import BenchRank, CheckFailed, usable_gpus
 from ._launch import Member, ProcessWorld, WorldFailed
-from .communicator import Communicator, shared_gpus_allowed
+from .communicator import Communicator
+from .transport_policy import shared_gpus_allowed
 
 EXIT_P2P_USABLE, EXIT_FALLBACK, EXIT_ERROR = 0, 1, 2
 # The pair check's large all_reduce: realistic for a prefill-sized tensor and

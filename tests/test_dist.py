@@ -19,7 +19,8 @@ from test_ep import ep_cases, ep_config, expected_round_trip, ref_cfg
 
 import rdna4_comm as rc
 from rdna4_comm import moe
-from rdna4_comm.communicator import HOST_ID_ENV, TRANSPORT_ENV, RankReport, choose_transport
+from rdna4_comm.communicator import TRANSPORT_ENV
+from rdna4_comm.transport_policy import HOST_ID_ENV, RankReport, choose_transport
 
 SETTINGS = settings(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, max_examples=examples(15))
 
