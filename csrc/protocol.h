@@ -335,9 +335,13 @@ RC_HD float rmsnorm_inv_rms(double sum_squares, int64_t hidden, float eps) {
 
 // --------------------------------------------------------------- routing
 
-// Rank that owns global expert `e`, or -1 when the id is dropped.
+// Rank that owns global expert `e`, or -1 when the id is dropped. A 32-bit
+// division where the ids allow it: on the GPU the 64-bit one is a long
+// subroutine, and every dispatch sender block runs this for all T * K ids.
 RC_HD int expert_owner(int64_t e, int64_t num_experts, int64_t experts_per_rank) {
-  return (e < 0 || e >= num_experts) ? -1 : int(e / experts_per_rank);
+  if (e < 0 || e >= num_experts) return -1;
+  return num_experts <= int64_t(UINT32_MAX) ? int(uint32_t(e) / uint32_t(experts_per_rank))
+                                            : int(e / experts_per_rank);
 }
 
 // ------------------------------------------------------------------ layout

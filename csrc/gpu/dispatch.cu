@@ -112,7 +112,7 @@ RC_DEVICE void dispatch_sender(const Env& env, const DispatchArgs& a, DispatchSh
         }
         for (int k = int(g.first); k < K; k += int(g.stride)) {
           const int64_t e = int64_t(route.idx[tok * K + k]);
-          const int owner = device_expert_owner(e, a.num_experts, route.epr);
+          const int owner = expert_owner(e, a.num_experts, route.epr);
           const float w = a.topk_weights ? load_weight(a.topk_weights, tok * K + k, a.weights_dtype) : 0.f;
 #pragma unroll
           for (int d = 0; d < kMaxGpuWorld; ++d) {
@@ -227,7 +227,7 @@ RC_DEVICE bool dispatch_receiver(const Env& env, const DispatchArgs& a, Dispatch
     for_item_rows(sh.item_first, G, [&](int g, int64_t row_in_item, const RowGroups& rg) {
       const int s = sh.item_src[g];
       const int64_t hr = sh.item_row_start[g] + row_in_item;  // the source's row
-      const int64_t o = sh.src.offset[s] + hr;      // its output row
+      const int64_t o = sh.src.offset[s] + hr;                // its output row
       const char* row = L.dispatch_row(env.data[me], gen, s, hr);
       RankPtrs dst;
       dst.p[0] = out_x + o * payload;

@@ -8,14 +8,6 @@
 namespace rdna4_comm {
 namespace gpu {
 
-// expert_owner (protocol.h) with a 32-bit division where the ids allow it:
-// the 64-bit one is a long subroutine, and every dispatch sender block runs
-// it for all T * K ids (its routing scan).
-RC_DEVICE int device_expert_owner(int64_t e, int64_t num_experts, int64_t epr) {
-  if (e < 0 || e >= num_experts) return -1;
-  return num_experts <= int64_t(UINT32_MAX) ? int(uint32_t(e) / uint32_t(epr)) : int(e / epr);
-}
-
 template <typename IdxT, int KF>
 struct Routing {
   const IdxT* idx;
@@ -30,12 +22,12 @@ struct Routing {
       // loads are unrolled and all in flight at once.
 #pragma unroll
       for (int k = 0; k < KF; ++k) {
-        const int o = device_expert_owner(int64_t(row[k]), num_experts, epr);
+        const int o = expert_owner(int64_t(row[k]), num_experts, epr);
         if (o >= 0) m |= 1u << o;
       }
     } else {
       for (int k = 0; k < K; ++k) {
-        const int o = device_expert_owner(int64_t(row[k]), num_experts, epr);
+        const int o = expert_owner(int64_t(row[k]), num_experts, epr);
         if (o >= 0) m |= 1u << o;
       }
     }
