@@ -175,6 +175,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   testing.def("ep_chunk_tokens", &ep_chunk_tokens, py::arg("ntok"));
   testing.def("ep_num_chunks", &ep_num_chunks, py::arg("ntok"));
   testing.def("ep_max_chunks", &ep_max_chunks, py::arg("cap"));
+  testing.def("ep_chunks", &ep_chunks, py::arg("ntok"), py::arg("chunk_tokens"));
+  testing.def("ep_own_role_share", &ep_own_role_share, py::arg("world"), py::arg("sm_count"));
+  testing.def("ep_own_block_tokens", &ep_own_block_tokens, py::arg("ntok"), py::arg("world"), py::arg("sm_count"));
+  testing.def("expert_owner", &expert_owner, py::arg("e"), py::arg("num_experts"), py::arg("experts_per_rank"),
+              py::arg("world"));
   // (send_blocks, recv_blocks) of a launch policy.
   auto bind_grid = [&testing](const char* name, EpGrid (*policy)(int64_t, int, int)) {
     testing.def(name, [policy](int64_t ntok, int world, int sm_count) {

@@ -70,15 +70,23 @@ constexpr int kAllReduceSequence = kOpAllReduce;
 // acquires the generation before it reads the metadata.
 struct HeadSlot {  // dispatch: one per (parity, source), written by the source
   uint64_t gen;
-  uint32_t ntok;   // tokens the source holds (T_s): fixes its chunking
-  uint32_t nrows;  // rows the source sends to this rank
+  uint32_t ntok;          // tokens the source holds (T_s)
+  uint32_t nrows;         // rows the source sends to this rank
+  uint32_t chunk_tokens;  // the source's chunking: chunks of this many tokens, the last one shorter
+  uint32_t unused;
 };
 struct ChunkSlot {  // dispatch: one per (parity, source, token chunk)
   uint64_t gen;
   uint32_t row_start;  // first row of this chunk within the source's rows
   uint32_t nrows;
 };
-static_assert(sizeof(HeadSlot) == 16 && sizeof(ChunkSlot) == 16, "slot layout");
+// A dispatch sender block's rows per destination, for the sender blocks
+// after it (GPU transport, own memory: dispatch_prefix in dispatch.cu).
+struct TallySlot {
+  uint64_t gen;
+  uint32_t rows[kMaxGpuWorld];
+};
+static_assert(sizeof(HeadSlot) == 24 && sizeof(ChunkSlot) == 16 && sizeof(TallySlot) == 40, "slot layout");
 
 RC_HD size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 RC_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -86,27 +94,31 @@ RC_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // ---------------------------------------------------------------- policies
 
 // Token chunking for dispatch/combine. A chunk is the unit of publication:
-// its rows travel together and one flag announces them. Both sides of a
-// transfer derive a source's chunking from its token count alone, so the
-// receiver needs nothing but the source's T to know which flags to expect.
+// its rows travel together and one flag announces them. A chunking is a
+// chunk size: chunks of C tokens, the last one shorter, at least one chunk
+// (T = 0 still publishes one, empty). combine chunks a rank's tokens with
+// ep_chunk_tokens, from the token count alone, so the peers returning rows
+// need nothing but that count; a dispatch source says its chunk size in its
+// header (the CPU transport's is ep_chunk_tokens, the GPU's one chunk per
+// sender block: ep_own_block_tokens).
 constexpr int64_t kEpTargetChunks = 128;
+RC_HD int64_t ep_chunks(int64_t ntok, int64_t chunk_tokens) {
+  const int64_t n = ceil_div(ntok, chunk_tokens);
+  return n < 1 ? 1 : n;
+}
 RC_HD int64_t ep_chunk_tokens(int64_t ntok) {
   int64_t c = ceil_div(ntok, kEpTargetChunks);
   return c < 1 ? 1 : c;
 }
-RC_HD int64_t ep_num_chunks(int64_t ntok) {
-  int64_t n = ceil_div(ntok, ep_chunk_tokens(ntok));
-  return n < 1 ? 1 : n;  // T = 0 still publishes one (empty) chunk
-}
-// The most chunks a source of T <= cap tokens publishes: min(cap, 128).
-// (Not ep_num_chunks(cap), which is not monotone: 200 tokens make 100
-// chunks of 2, 257 tokens 86 chunks of 3.)
+RC_HD int64_t ep_num_chunks(int64_t ntok) { return ep_chunks(ntok, ep_chunk_tokens(ntok)); }
+// The most chunks a source of T <= cap tokens publishes, with either
+// chunking: min(cap, 128). (Not ep_num_chunks(cap), which is not monotone:
+// 200 tokens make 100 chunks of 2, 257 tokens 86 chunks of 3.)
 RC_HD int64_t ep_max_chunks(int64_t cap) { return cap < kEpTargetChunks ? (cap < 1 ? 1 : cap) : kEpTargetChunks; }
-// Tokens per chunk, hence per rank, on the GPU transport: a row index of
-// the received rows (W * cap of them) fits the 22 bits a bad-handle word
-// has for it (encode_bad_handle).
-constexpr int64_t kMaxGpuChunkTokens = 2048;
-constexpr int64_t kMaxGpuTokensPerRank = kEpTargetChunks * kMaxGpuChunkTokens;
+// Tokens per rank on the GPU transport: a row index of the received rows
+// (W * cap of them) fits the 22 bits a bad-handle word has for it
+// (encode_bad_handle).
+constexpr int64_t kMaxGpuTokensPerRank = int64_t(1) << 18;
 
 // all_reduce algorithm predicate. One-shot: every rank pushes its whole
 // input to every peer and sums locally (one barrier, (W-1)*N bytes out per
@@ -208,12 +220,13 @@ static_assert(kMaxGpuWorld * kMaxGpuTokensPerRank <= (int64_t(1) << 22), "a recv
 // read a row of x once and write it to each of its destinations (about W
 // streams at most, W + 1 counted), receivers read the heap and write the
 // output for the (W - 1) / W of the rows that came from peers (2 (W - 1)
-// counted); combine mirrors that. Each role keeps at least one block, and
-// the role that takes whole chunks of this rank's tokens uses as few blocks
-// as keep its busiest block's chunk count least: every block but the last
-// takes that many (10 chunks on at most 4 blocks: 3, 3, 3, 1), since a block
-// with one chunk more than the others would run its last chunk alone. The split
-// comes from this count, not yet from a 2-GPU measurement (docs/performance.md).
+// counted); combine mirrors that. Each role keeps at least one block. The
+// role that handles this rank's own tokens (dispatch senders, combine
+// receivers) cuts them into one contiguous range per block, all of one size
+// (the last shorter), so every block moves the same rows: whole chunks per
+// block would leave blocks idle (128 chunks on 99 blocks run as two rounds
+// whichever way they are dealt). The split comes from this count, not yet
+// from a 2-GPU measurement (docs/performance.md).
 struct EpGrid {
   int send_blocks;
   int recv_blocks;
@@ -221,32 +234,36 @@ struct EpGrid {
 RC_HD int clamp_blocks(int64_t want, int64_t most) {
   return int(want < 1 ? 1 : (want > most ? (most < 1 ? 1 : most) : want));
 }
-// At most `most` blocks for n equal work items: the fewest blocks that give
-// no block more items than ceil(n / min(n, most)).
-RC_HD int even_blocks(int64_t n, int64_t most) {
-  const int64_t per = ceil_div(n, clamp_blocks(n, most));
-  return clamp_blocks(ceil_div(n, per), most);
-}
 RC_HD int ep_grid_budget(int sm_count) { return sm_count * 3 / 4 < 2 ? 2 : sm_count * 3 / 4; }
-// Blocks of the role that handles this rank's own chunks (dispatch senders,
-// combine receivers) out of the budget: its share (W + 1) / (3W - 1).
-RC_HD int ep_own_role_blocks(int64_t nch, int world, int sm_count) {
+// Most blocks of the own-token role: its share (W + 1) / (3W - 1) of the
+// budget, one block left to the other role, and at most kEpTargetChunks (a
+// dispatch sender block is one chunk, and there are ep_max_chunks slots).
+RC_HD int64_t ep_own_role_share(int world, int sm_count) {
   const int64_t budget = ep_grid_budget(sm_count);
-  const int64_t share = budget * (world + 1) / (3 * world - 1);
-  return even_blocks(nch, share < budget - 1 ? share : budget - 1);
+  int64_t share = budget * (world + 1) / (3 * world - 1);
+  share = share < budget - 1 ? share : budget - 1;
+  share = share < kEpTargetChunks ? share : kEpTargetChunks;
+  return share < 1 ? 1 : share;
+}
+// Tokens per block of the own-token role; its blocks: ep_chunks(T, this).
+// On the GPU a dispatch chunk is one sender block's range.
+RC_HD int64_t ep_own_block_tokens(int64_t ntok, int world, int sm_count) {
+  return ceil_div(ntok < 1 ? 1 : ntok, ep_own_role_share(world, sm_count));
+}
+RC_HD int ep_own_role_blocks(int64_t ntok, int world, int sm_count) {
+  return int(ep_chunks(ntok, ep_own_block_tokens(ntok, world, sm_count)));
 }
 RC_HD EpGrid dispatch_grid(int64_t ntok, int world, int sm_count) {
-  // Senders own this rank's chunks; receivers take (peer, chunk) items (own
-  // rows skip the heap).
-  const int64_t nch = ep_num_chunks(ntok);
-  const int send = ep_own_role_blocks(nch, world, sm_count);
-  return {send, clamp_blocks((world - 1) * nch, ep_grid_budget(sm_count) - send)};
+  // Senders: one chunk of this rank's tokens each; receivers take (peer,
+  // chunk) items (own rows skip the heap), about as many chunks per peer.
+  const int send = ep_own_role_blocks(ntok, world, sm_count);
+  return {send, clamp_blocks(int64_t(world - 1) * send, ep_grid_budget(sm_count) - send)};
 }
 RC_HD EpGrid combine_grid(int64_t ntok, int world, int sm_count) {
-  // Senders return rows for every peer's chunks; receivers sum this rank's.
-  const int64_t nch = ep_num_chunks(ntok);
-  const int recv = ep_own_role_blocks(nch, world, sm_count);
-  return {clamp_blocks((world - 1) * nch, ep_grid_budget(sm_count) - recv), recv};
+  // Senders return rows for every peer's chunks (ep_num_chunks of them per
+  // peer); receivers sum this rank's tokens, a range each.
+  const int recv = ep_own_role_blocks(ntok, world, sm_count);
+  return {clamp_blocks(int64_t(world - 1) * ep_num_chunks(ntok), ep_grid_budget(sm_count) - recv), recv};
 }
 RC_HD int allreduce_blocks(int64_t share_bytes, int sm_count) {
   const int64_t most = sm_count / 2 < kMaxAllReduceBlocks ? sm_count / 2 : kMaxAllReduceBlocks;
@@ -335,13 +352,16 @@ RC_HD float rmsnorm_inv_rms(double sum_squares, int64_t hidden, float eps) {
 
 // --------------------------------------------------------------- routing
 
-// Rank that owns global expert `e`, or -1 when the id is dropped. A 32-bit
-// division where the ids allow it: on the GPU the 64-bit one is a long
-// subroutine, and every dispatch sender block runs this for all T * K ids.
-RC_HD int expert_owner(int64_t e, int64_t num_experts, int64_t experts_per_rank) {
+// Rank that owns global expert `e`, or -1 when the id is dropped. Rank r
+// owns experts [r * epr, (r + 1) * epr), so the owner is the number of those
+// run starts above 0 that e reaches: world - 1 compares and no division (on
+// the GPU a division by a run-time value is a long instruction sequence, and
+// every dispatch sender block runs this for each of its T * K ids).
+RC_HD int expert_owner(int64_t e, int64_t num_experts, int64_t experts_per_rank, int world) {
   if (e < 0 || e >= num_experts) return -1;
-  return num_experts <= int64_t(UINT32_MAX) ? int(uint32_t(e) / uint32_t(experts_per_rank))
-                                            : int(e / experts_per_rank);
+  int owner = 0;
+  for (int r = 1; r < world; ++r) owner += e >= r * experts_per_rank;
+  return owner;
 }
 
 // ------------------------------------------------------------------ layout
@@ -373,6 +393,7 @@ struct Layout {
   size_t ar_flags = 0;         // [2][2 phases][W][kMaxAllReduceBlocks] u64
   size_t dispatch_heads = 0;   // [2][W] HeadSlot
   size_t dispatch_chunks = 0;  // [2][W][max_chunks] ChunkSlot
+  size_t dispatch_tally = 0;   // [max_chunks] TallySlot, own use
   size_t combine_flags = 0;    // [2][W][max_chunks] u64
   size_t probe_flags = 0;      // [W] u64
   size_t signal_bytes = 0;
@@ -400,6 +421,11 @@ struct Layout {
   RC_HD ChunkSlot* dispatch_chunk(char* sig, uint64_t gen, int src, int64_t chunk) const {
     return reinterpret_cast<ChunkSlot*>(sig + dispatch_chunks) +
            (size_t(gen & 1) * world + src) * max_chunks + chunk;
+  }
+  // One set, no parity: only the blocks of one launch use it, and the next
+  // dispatch starts after they all finished.
+  RC_HD TallySlot* tally(char* sig, int64_t block) const {
+    return reinterpret_cast<TallySlot*>(sig + dispatch_tally) + block;
   }
   RC_HD uint64_t* combine_flag(char* sig, uint64_t gen, int src, int64_t chunk) const {
     return reinterpret_cast<uint64_t*>(sig + combine_flags) +
@@ -457,6 +483,7 @@ inline Layout make_layout(const HeapConfig& c) {
   l.ar_flags = take(sizeof(uint64_t) * 2 * 2 * W * kMaxAllReduceBlocks);
   l.dispatch_heads = take(sizeof(HeadSlot) * 2 * W);
   l.dispatch_chunks = take(sizeof(ChunkSlot) * 2 * W * size_t(l.max_chunks));
+  l.dispatch_tally = take(sizeof(TallySlot) * size_t(l.max_chunks));
   l.combine_flags = take(sizeof(uint64_t) * 2 * W * size_t(l.max_chunks));
   l.probe_flags = take(sizeof(uint64_t) * W);
   l.signal_bytes = off;

@@ -40,27 +40,40 @@ def ceil_div(a, b):
 
 @pytest.mark.parametrize("sms", [1, 2, 8, H200_SMS])
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
-def test_ep_grids_split_the_budget_by_streams_and_spread_chunks_evenly(world, sms):
+def test_ep_grids_split_the_budget_by_streams_and_give_every_block_the_same_tokens(world, sms):
     budget = max(2, sms * 3 // 4)
-    own_share = min(budget * (world + 1) // (3 * world - 1), budget - 1)
+    own_share = max(1, min(budget * (world + 1) // (3 * world - 1), budget - 1, 128))
+    assert _C.testing.ep_own_role_share(world, sms) == own_share
     for ntok in (0, 1, 8, 32, 98, 99, 128, 1000, 4096, 16384, 1 << 18):
-        nch = _C.testing.ep_num_chunks(ntok)
+        per = _C.testing.ep_own_block_tokens(ntok, world, sms)
         ds, dr = _C.testing.dispatch_grid(ntok, world, sms)
         cs, cr = _C.testing.combine_grid(ntok, world, sms)
-        # The role that takes this rank's own chunks (dispatch's senders,
-        # combine's receivers) and the one that takes (peer, chunk) items.
-        for own, peer in ((ds, dr), (cr, cs)):
-            assert 1 <= own <= max(1, own_share) and 1 <= peer and own + peer <= budget, (ntok, own, peer)
-            assert peer == max(1, min((world - 1) * nch, budget - own))
-            # As few chunks on the busiest block as the share allows, and no
-            # block with more chunks than another's plus none.
-            assert ceil_div(nch, own) == ceil_div(nch, min(nch, max(1, own_share)))
-            assert (own - 1) * ceil_div(nch, own) < nch
+        # The role that takes this rank's own tokens (dispatch's senders,
+        # combine's receivers): a range of `per` tokens each, the last one
+        # shorter but not empty, and no more blocks than its share.
+        assert ds == cr == _C.testing.ep_chunks(ntok, per), (ntok, per, ds)
+        assert 1 <= ds <= own_share and per == ceil_div(max(ntok, 1), own_share)
+        assert ntok == 0 or (ds - 1) * per < ntok <= ds * per
+        # The other role: (peer, chunk) items, the rest of the budget.
+        assert dr == max(1, min((world - 1) * ds, budget - ds))
+        assert cs == max(1, min((world - 1) * _C.testing.ep_num_chunks(ntok), budget - cr))
+        assert ds + dr <= budget and cs + cr <= budget
+        # A dispatch chunk is a sender block's range: within the chunk slots.
+        assert ds <= _C.testing.ep_max_chunks(max(ntok, 1))
     # One block per token up to the role's share; at W = 1 everything but one receiver sends.
-    assert _C.testing.dispatch_grid(8, world, H200_SMS) == (8, max(1, min(8 * (world - 1), 99 - 8)))
+    assert _C.testing.dispatch_grid(8, world, H200_SMS)[0] == 8
     if world == 1:
-        assert _C.testing.dispatch_grid(4096, 1, H200_SMS) == (64, 1)  # 128 chunks, two each
-        assert _C.testing.combine_grid(4096, 1, H200_SMS) == (1, 64)
+        assert _C.testing.dispatch_grid(4096, 1, H200_SMS) == (98, 1)  # 42 tokens a block, the last 22
+        assert _C.testing.combine_grid(4096, 1, H200_SMS) == (1, 98)
+
+
+def test_expert_owner_counts_the_rank_runs_below_the_id():
+    for world in (1, 2, 3, 8, 32):
+        epr = 5
+        for e in range(-2, world * epr + 3):
+            expected = e // epr if 0 <= e < world * epr else -1
+            assert _C.testing.expert_owner(e, world * epr, epr, world) == expected, (world, e)
+    assert _C.testing.expert_owner(1 << 40, 1 << 41, 1 << 40, 2) == 1  # ids past 32 bits
 
 
 def test_allreduce_blocks():

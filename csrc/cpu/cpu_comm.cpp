@@ -356,7 +356,7 @@ class CpuComm final : public Comm {
     for (int64_t t = 0; t < T; ++t) {
       uint32_t mask = 0;
       for (int64_t k = 0; k < K; ++k) {
-        const int owner = expert_owner(int64_t(idp[t * K + k]), cfg_.num_experts, epr);
+        const int owner = expert_owner(int64_t(idp[t * K + k]), cfg_.num_experts, epr, W);
         if (owner >= 0) mask |= 1u << owner;
       }
       mask_out[t] = int32_t(mask);
@@ -369,6 +369,7 @@ class CpuComm final : public Comm {
       HeadSlot* head = layout_.dispatch_head(signals(d), gen, me);
       head->ntok = uint32_t(T);
       head->nrows = rows_to(nch, d);
+      head->chunk_tokens = uint32_t(C);
       store_release(&head->gen, gen);
     }
     // Token t's routing as destination d sees it: the local id where the
@@ -379,7 +380,7 @@ class CpuComm final : public Comm {
       using OutW = std::remove_pointer_t<decltype(rw)>;
       for (int64_t k = 0; k < K; ++k) {
         const int64_t e = int64_t(idp[t * K + k]);
-        const bool here = expert_owner(e, cfg_.num_experts, epr) == d;
+        const bool here = expert_owner(e, cfg_.num_experts, epr, W) == d;
         rid[k] = OutId(here ? e - d * epr : -1);
         if (rw) rw[k] = OutW(here && wp ? float(wp[t * K + k]) : 0.f);
       }
@@ -432,7 +433,7 @@ class CpuComm final : public Comm {
       wait_at_least(&head->gen, gen, kOpDispatch, s);
       counts[s] = int32_t(head->nrows);
       src_tokens[s] = int32_t(head->ntok);
-      nchunks[s] = s == me ? 0 : ep_num_chunks(head->ntok);  // own rows are in place already
+      nchunks[s] = s == me ? 0 : ep_chunks(head->ntok, head->chunk_tokens);  // own rows are in place already
       offset[s + 1] = offset[s] + head->nrows;
     }
     const int64_t rounds = *std::max_element(nchunks.begin(), nchunks.end());

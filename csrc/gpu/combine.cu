@@ -12,8 +12,7 @@ namespace {
 struct CombineShared {
   Sources src;  // from the handle: what dispatch received from every source
   // Sender: start[c][s], the first row of y from source s's chunk c (its
-  // rows lie in token order). Receiver: start[c][0], this rank's own rows
-  // before chunk c of its tokens.
+  // rows lie in token order).
   int32_t start[kEpTargetChunks + 1][kMaxGpuWorld];
   int32_t item_src[kMaxGroup], item_lo[kMaxGroup];
   uint32_t item_first[kMaxGroup + 1];
@@ -90,7 +89,7 @@ RC_DEVICE void peer_chunk_starts(const Env& env, const CombineArgs& a, CombineSh
   block_sync();
   for (int s = 0; s < W; ++s) {
     if (s == me || sh.src.nchunks[s] == 0) continue;
-    const int64_t C = ep_chunk_tokens(sh.src.ntok[s]);
+    const int64_t C = sh.src.chunk_tokens[s];
     auto chunk_of = [&](int64_t j) {
       const int64_t t = row_token(a, sh.src, cap, s, j);
       return t < 0 ? int64_t(-1) : t / C;
@@ -138,9 +137,8 @@ RC_DEVICE void combine_sender(const Env& env, const CombineArgs& a, CombineShare
       const int64_t j = sh.item_lo[g] + k;
       const int64_t t = row_token(a, sh.src, cap, s, j);
       if (t < 0) return;
-      RankPtrs dst;
-      dst.p[0] = L.combine_row(env.data[s], gen, me, t);
-      with_vector(vec, [&](auto tag) { copy_row<typename decltype(tag)::type, true>(y + j * payload, dst, 1u, nvec, rg); });
+      auto inbox_row = [&](int) { return L.combine_row(env.data[s], gen, me, t); };
+      with_copy_vector(vec, [&](auto tag) { copy_row<typename decltype(tag)::type, true>(y + j * payload, inbox_row, 1u, nvec, rg); });
     });
     block_sync();
     if (tid < G && sh.item_src[tid] >= 0)
@@ -148,60 +146,75 @@ RC_DEVICE void combine_sender(const Env& env, const CombineArgs& a, CombineShare
   }
 }
 
+// Block-wide: how many of keys[0, n) are below `key`, for ascending keys
+// (keys out of order give some count in [0, n]). Every thread probes one
+// key, and each round narrows the count to one gap between probes, so up to
+// blockDim^2 keys take two rounds of loads.
+RC_DEVICE int64_t count_below(const int32_t* keys, int64_t n, int32_t key) {
+  int64_t lo = 0, hi = n;  // the count lies in [lo, hi]
+  while (lo < hi) {
+    const int64_t step = ceil_div(hi - lo, blockDim.x), i = lo + int64_t(threadIdx.x) * step;
+    const int k = block_count(i < hi && keys[i] < key);  // the probes lo, lo + step, ... below key
+    if (k == 0) return lo;
+    const int64_t next_hi = lo + k * step < hi ? lo + k * step : hi;
+    lo += (k - 1) * step + 1;
+    hi = next_hi;
+  }
+  return lo;
+}
+
 // Each token's output: its rows from every destination rank, summed in
 // ascending rank order (sum_row). Peers' rows come from the inbox, at the
 // token's slot; this rank's own from y, at the token's place among its own
-// rows (the tokens before it with this rank's bit in send_mask: dispatch
-// laid the own rows out in token order). Block j takes a contiguous run of
-// chunks, a group of them at a time: thread (g, r) waits for chunk g's flag
-// from peer r, then the group's tokens are summed in batches of a block.
+// rows (dispatch laid them out in token order, so recv_src gives the place of
+// the block's first token). Block j takes a range of the tokens
+// (ep_own_block_tokens each) and the chunks that overlap it, a group of them
+// at a time: thread (g, r) waits for chunk g's flag from peer r, then the
+// group's tokens in the range are summed in batches of a block.
 static_assert(kMaxGpuWorld * kMaxGroup <= kThreads, "combine waiters fit a block");
 template <DType D>
 RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineShared& sh, uint64_t gen, int j,
-                                int nblocks, int vec) {
+                                int vec) {
   const Layout& L = env.layout;
   const int me = env.rank, W = env.world, tid = threadIdx.x, nt = blockDim.x;
   const int64_t payload = L.hidden * L.elt, rows = int64_t(W) * L.cap;
-  const int64_t T = a.ntok, C = ep_chunk_tokens(T), nch = ep_num_chunks(T);
+  const int64_t T = a.ntok, C = ep_chunk_tokens(T), per = ep_own_block_tokens(T, W, env.sm_count);
+  const int64_t t0 = int64_t(j) * per, t1 = t0 + per < T ? t0 + per : T;
+  if (t0 >= t1) return;
   const int G = group_size(C);
   const char* y = static_cast<const char*>(a.y);
   char* out = static_cast<char*>(a.out);
-  const int64_t per = ceil_div(nch, nblocks), c0 = int64_t(j) * per, c1 = c0 + per < nch ? c0 + per : nch;
-  if (c0 >= c1) return;
-  // Own rows before this block's run: start[c0][0], counted over the
-  // tokens of chunks [0, c0) alone.
-  chunk_row_starts(c0 * C, C, c0, 1, [&](int64_t t) { return uint32_t(a.send_mask[t]) >> me & 1u; }, sh.start);
   const int64_t own_base = sh.src.offset[me];
-  if (tid == 0) sh.run[0] = sh.start[c0][0];
-  for (int64_t g0 = c0; g0 < c1; g0 += G) {
-    const int64_t g1 = g0 + G < c1 ? g0 + G : c1;
+  const int64_t own_before = count_below(a.recv_src + own_base, sh.src.nrows[me], int32_t(me * L.cap + t0));
+  if (tid == 0) sh.run[0] = int32_t(own_before);
+  const int64_t c_end = (t1 - 1) / C + 1;
+  for (int64_t g0 = t0 / C; g0 < c_end; g0 += G) {
+    const int64_t g1 = g0 + G < c_end ? g0 + G : c_end;
     const int g = tid / W, r = tid - g * W;
     bool ok = true;
     if (g0 + g < g1 && r != me) ok = wait_flag(env, L.combine_flag(env.sig[me], gen, r, g0 + g), gen, kOpCombine, r);
     if (!block_all(ok)) return;
-    const int64_t t_end = g1 * C < T ? g1 * C : T;
-    for (int64_t b0 = g0 * C; b0 < t_end; b0 += nt) {
+    const int64_t b_begin = g0 * C > t0 ? g0 * C : t0, b_end = g1 * C < t1 ? g1 * C : t1;
+    for (int64_t b0 = b_begin; b0 < b_end; b0 += nt) {
       const int64_t t = b0 + tid;
-      const uint32_t m = t < t_end ? uint32_t(a.send_mask[t]) & all_ranks(env) : 0u;  // other bits: check_handle_rows
+      const uint32_t m = t < b_end ? uint32_t(a.send_mask[t]) & all_ranks(env) : 0u;  // other bits: check_handle_rows
       int32_t pos[kMaxGpuWorld];
       batch_positions(m >> me & 1u, 1, pos, sh.warp_tot, sh.run);
       sh.batch_mask[tid] = m;
       // A handle whose send_mask and counts disagree reads a wrong row of y, never memory outside it.
       sh.own_row[tid] = int32_t(own_base + pos[0] < rows ? own_base + pos[0] : rows - 1);
       block_sync();
-      const int64_t batch = t_end - b0 < nt ? t_end - b0 : nt;
+      const int64_t batch = b_end - b0 < nt ? b_end - b0 : nt;
       const RowGroups rg = row_groups(batch);
       for (int64_t i = rg.group; i < batch; i += rg.groups) {
         const int64_t tok = b0 + i;
-        const uint32_t tm = sh.batch_mask[i];
-        ConstRankPtrs src;
-#pragma unroll
-        for (int rr = 0; rr < kMaxGpuWorld; ++rr)
-          if (tm >> rr & 1u)
-            src.p[rr] = rr == me ? y + int64_t(sh.own_row[i]) * payload : L.combine_row(env.data[me], gen, rr, tok);
+        const int64_t own_row = sh.own_row[i];
+        auto row_of = [&](int rr) {
+          return rr == me ? y + own_row * payload : L.combine_row(env.data[me], gen, rr, tok);
+        };
         with_row_vector<D>(vec, [&](auto tag) {
           using V = typename decltype(tag)::type;
-          sum_row<D, V>(src, tm, out + tok * payload, uint32_t(payload / sizeof(V)), rg);
+          sum_row<D, V>(row_of, sh.batch_mask[i], out + tok * payload, uint32_t(payload / sizeof(V)), rg);
         });
       }
       block_sync();
@@ -212,9 +225,10 @@ RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineSha
 __global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs a, int send_blocks, int vec) {
   __shared__ CombineShared sh;
   const uint64_t gen = op_generation(env, kOpCombine);
-  load_sources(env, sh.src, [&](int s, int64_t* ntok, int64_t* nrows) {
+  load_sources(env, sh.src, [&](int s, int64_t* ntok, int64_t* nrows, int64_t* chunk_tokens) {
     *ntok = a.src_tokens[s];
     *nrows = a.counts[s];
+    *chunk_tokens = ep_chunk_tokens(*ntok);
   });
   const bool counts_ok = handle_counts_ok(env, a);
   if (counts_ok) {
@@ -223,9 +237,10 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs 
     // Peers still wait for this rank's flags: the senders publish every chunk
     // a peer can expect (ep_max_chunks: it holds at most cap tokens) with no
     // rows, and no receiver runs.
-    load_sources(env, sh.src, [&](int, int64_t* ntok, int64_t* nrows) {
+    load_sources(env, sh.src, [&](int, int64_t* ntok, int64_t* nrows, int64_t* chunk_tokens) {
       *ntok = 0;
       *nrows = 0;
+      *chunk_tokens = 1;
     });
     if (int(threadIdx.x) < env.world && int(threadIdx.x) != env.rank)
       sh.src.nchunks[threadIdx.x] = int32_t(ep_max_chunks(env.layout.cap));
@@ -235,7 +250,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs 
     combine_sender(env, a, sh, gen, blockIdx.x, send_blocks, vec);
   } else if (counts_ok) {
     with_dtype(a.dtype, [&](auto d) {
-      combine_receiver<decltype(d)::value>(env, a, sh, gen, blockIdx.x - send_blocks, gridDim.x - send_blocks, vec);
+      combine_receiver<decltype(d)::value>(env, a, sh, gen, blockIdx.x - send_blocks, vec);
     });
   }
   finish_op(env, kOpCombine, gen);
@@ -245,7 +260,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs 
 
 void launch_combine(const Env& env, const CombineArgs& a, Stream s) {
   const EpGrid g = combine_grid(a.ntok, env.world, env.sm_count);
-  const int vec = widest_vector(env.layout.hidden * env.layout.elt, {a.y, a.out});
+  const int vec = row_vector(env.layout.hidden * env.layout.elt, {a.y, a.out});
   launch("combine", combine_kernel, g.send_blocks + g.recv_blocks, s, env, a, g.send_blocks, vec);
 }
 

@@ -1,9 +1,9 @@
-// dispatch: sender blocks route this rank's tokens and push each row to its
-// destinations; receiver blocks take the peers' rows from the heap, chunk by
-// chunk, into the fresh outputs. A rank's own rows skip the heap. Then every
-// block writes its share of the padding rows' routing (-1 ids, 0 weights);
-// the padding rows of x are left unwritten, so the work follows the routed
-// rows, not the capacity.
+// dispatch: sender block b routes chunk b of this rank's tokens and pushes
+// each row to its destinations; receiver blocks take the peers' rows from the
+// heap, chunk by chunk, into the fresh outputs. A rank's own rows skip the
+// heap. Then every block writes its share of the padding rows' routing (-1
+// ids, 0 weights); the padding rows of x are left unwritten, so the work
+// follows the routed rows, not the capacity.
 #include "device/rows.cuh"
 #include "device/routing.cuh"
 #include "device/sync.cuh"
@@ -13,8 +13,11 @@ namespace gpu {
 namespace {
 
 struct DispatchShared {
-  int32_t start[kEpTargetChunks + 1][kMaxGpuWorld];  // sender: row prefix per chunk and destination
-  int32_t run[kMaxGpuWorld];
+  // Sender: this block's chunk, its rows per destination (chunk_rows, and
+  // first_rows of its first batch), the rows of the chunks before it
+  // (prefix), the batch's running count (run), and each token of a batch:
+  // its destinations and its rows' positions within the chunk.
+  int32_t chunk_rows[kMaxGpuWorld], first_rows[kMaxGpuWorld], prefix[kMaxGpuWorld], run[kMaxGpuWorld];
   int32_t warp_tot[kMaxWarps][kMaxGpuWorld];
   uint32_t batch_mask[kThreads];
   int32_t batch_pos[kThreads][kMaxGpuWorld];
@@ -39,29 +42,82 @@ RC_DEVICE void store_weight(void* w, int64_t i, DType t, float v) {
   }
 }
 
+// Sender block b takes chunk b of this rank's tokens (ep_own_block_tokens
+// each) and sends each routed row to its destinations. A chunk's rows for
+// destination d follow those of the chunks before it; the block learns how
+// many that is from the other blocks' tallies (a published count per block,
+// no block scans tokens but its own). False (on every thread) when a wait failed.
 template <typename IdxT, int KF>
-RC_DEVICE void dispatch_sender(const Env& env, const DispatchArgs& a, DispatchShared& sh, uint64_t gen, int b,
+RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, DispatchShared& sh, uint64_t gen, int b,
                                int nblocks, int vec) {
   const Layout& L = env.layout;
   const int me = env.rank, W = env.world, tid = threadIdx.x, nt = blockDim.x;
   const Routing<IdxT, KF> route{static_cast<const IdxT*>(a.topk_idx), int(L.topk), a.num_experts,
-                                a.num_experts / W};
+                                a.num_experts / W, W};
   const int K = route.topk();
-  const int64_t T = a.ntok, C = ep_chunk_tokens(T), nch = ep_num_chunks(T);
+  const int64_t T = a.ntok, C = ep_own_block_tokens(T, W, env.sm_count);
+  const int64_t t0 = b * C, t1 = t0 + C < T ? t0 + C : T;
   const int64_t payload = L.hidden * L.elt;
   const uint32_t nvec = uint32_t(payload / vec);
   const char* x = static_cast<const char*>(a.x);
+  char* out_x = static_cast<char*>(a.out_x);
   IdxT* out_idx = static_cast<IdxT*>(a.out_idx);
+  // A chunk of one batch keeps its batch in shared memory from the count to the copies.
+  const bool one_batch = t1 - t0 <= nt;
 
-  chunk_row_starts(T, C, nch, W, [&](int64_t t) { return route.mask(t); }, sh.start);
-  // The header tells each destination how many tokens (hence chunks) and rows to expect.
-  if (b == 0 && tid < W) {
+  // Destinations of the batch of tokens from tb, and the positions of their
+  // rows (sh.run: rows of the chunk's batches before it), into sh.batch_*
+  // when `keep`.
+  auto route_batch = [&](int64_t tb, bool count_pass, bool keep) {
+    const int64_t t = tb + tid;
+    const uint32_t m = t < t1 ? route.mask(t) : 0u;
+    if (count_pass && t < t1) a.out_send_mask[t] = int32_t(m);
+    int32_t pos[kMaxGpuWorld];
+    batch_positions(m, W, pos, sh.warp_tot, sh.run);
+    if (keep) {
+      sh.batch_mask[tid] = m;
+#pragma unroll
+      for (int d = 0; d < kMaxGpuWorld; ++d)
+        if (d < W) sh.batch_pos[tid][d] = pos[d];
+    }
+  };
+
+  // Count: the chunk's rows per destination.
+  if (tid < W) sh.run[tid] = 0;
+  block_sync();
+  for (int64_t tb = t0; tb < t1; tb += nt) {
+    route_batch(tb, true, one_batch);
+    if (tb == t0 && tid < W) sh.first_rows[tid] = sh.run[tid];
+  }
+  // Tally: this block's counts for the blocks after it (released at device
+  // scope after the barrier, acquired by them), the sum of the earlier
+  // blocks' into sh.prefix. Every block publishes before it waits, and the
+  // grid is resident (the launch policy), so the waits end.
+  TallySlot* mine = L.tally(env.sig[me], b);
+  if (tid < W) {
+    mine->rows[tid] = uint32_t(sh.run[tid]);
+    sh.chunk_rows[tid] = sh.run[tid];
+    sh.prefix[tid] = 0;
+  }
+  block_sync();
+  if (tid == 0) store_release_device(&mine->gen, gen);
+  bool ok = true;
+  if (tid < b) {
+    const TallySlot* before = L.tally(env.sig[me], tid);
+    ok = wait_flag(env, &before->gen, gen, kOpDispatch, me);
+    for (int d = 0; ok && d < W; ++d) atomicAdd(&sh.prefix[d], int32_t(before->rows[d]));
+  }
+  if (!block_all(ok)) return false;
+  // The last chunk's block knows every destination's total: the headers
+  // (how many tokens, rows and which chunking each destination is to expect).
+  if (b == nblocks - 1 && tid < W) {
     HeadSlot* head = L.dispatch_head(env.sig[tid], gen, me);
     head->ntok = uint32_t(T);
-    head->nrows = uint32_t(sh.start[nch][tid]);
+    head->nrows = uint32_t(sh.prefix[tid] + sh.chunk_rows[tid]);
+    head->chunk_tokens = uint32_t(C);
     store_release_sys(&head->gen, gen);
   }
-  char* out_x = static_cast<char*>(a.out_x);
+
   // This rank's own rows skip the heap: they go straight to the output, after
   // the rows of every lower rank, whose counts come from their headers.
   int64_t self_base = 0;
@@ -73,54 +129,41 @@ RC_DEVICE void dispatch_sender(const Env& env, const DispatchArgs& a, DispatchSh
     for (int s = 0; s < me; ++s) self_base += sh.src.nrows[s];
   };
 
-  // Rows of chunk c for the destinations in `dests`, a batch of nt tokens at
-  // a time: each token's row is loaded once and stored to every destination
-  // it has among them, then its routing (the local id where the slot's
-  // expert lives on the destination, else -1 and weight 0) and source token.
-  auto send_chunk = [&](int64_t c, uint32_t dests) {
-    const int64_t t_end = (c + 1) * C < T ? (c + 1) * C : T;
-    if (tid < W) sh.run[tid] = sh.start[c][tid];
-    block_sync();
-    for (int64_t t0 = c * C; t0 < t_end; t0 += nt) {
-      const int64_t t = t0 + tid;
-      const uint32_t m = t < t_end ? route.mask(t) : 0u;
-      if (t < t_end) a.out_send_mask[t] = int32_t(m);
-      int32_t pos[kMaxGpuWorld];
-      batch_positions(m, W, pos, sh.warp_tot, sh.run);
-      sh.batch_mask[tid] = m & dests;
-#pragma unroll
-      for (int d = 0; d < kMaxGpuWorld; ++d)
-        if (d < W) sh.batch_pos[tid][d] = pos[d];
+  // The chunk's rows for the destinations in `dests`, a batch at a time:
+  // each token's row is loaded once and stored to every destination it has
+  // among them, then its routing (the local id where the slot's expert
+  // lives on the destination, else -1 and weight 0) and source token.
+  auto send = [&](uint32_t dests) {
+    if (!one_batch) {
+      if (tid < W) sh.run[tid] = 0;
       block_sync();
-      const int64_t batch = t_end - t0 < nt ? t_end - t0 : nt;
+    }
+    for (int64_t tb = t0; tb < t1; tb += nt) {
+      if (!one_batch) route_batch(tb, false, true);
+      block_sync();
+      const int64_t batch = t1 - tb < nt ? t1 - tb : nt;
       const RowGroups g = row_groups(batch);
       for (int64_t r = g.group; r < batch; r += g.groups) {
-        const uint32_t tm = sh.batch_mask[r];
+        const uint32_t tm = sh.batch_mask[r] & dests;
         if (tm == 0) continue;
-        const int64_t tok = t0 + r;
+        const int64_t tok = tb + r;
         // Destination d's row: this rank's output, or d's heap.
         auto row_at = [&](int d) {
-          return d == me ? out_x + (self_base + sh.batch_pos[r][d]) * payload
-                         : L.dispatch_row(env.data[d], gen, me, sh.batch_pos[r][d]);
+          const int64_t j = sh.prefix[d] + sh.batch_pos[r][d];
+          return d == me ? out_x + (self_base + j) * payload : L.dispatch_row(env.data[d], gen, me, j);
         };
-        {
-          RankPtrs dst;
-#pragma unroll
-          for (int d = 0; d < kMaxGpuWorld; ++d)
-            if (tm >> d & 1u) dst.p[d] = row_at(d);
-          with_vector(vec, [&](auto tag) { copy_row<typename decltype(tag)::type, true>(x + tok * payload, dst, tm, nvec, g); });
-        }
+        with_copy_vector(vec, [&](auto tag) { copy_row<typename decltype(tag)::type, true>(x + tok * payload, row_at, tm, nvec, g); });
+        // Routing: each slot's id and weight are loaded once for every destination.
         for (int k = int(g.first); k < K; k += int(g.stride)) {
           const int64_t e = int64_t(route.idx[tok * K + k]);
-          const int owner = expert_owner(e, a.num_experts, route.epr);
+          const int owner = expert_owner(e, a.num_experts, route.epr, W);
           const float w = a.topk_weights ? load_weight(a.topk_weights, tok * K + k, a.weights_dtype) : 0.f;
-#pragma unroll
-          for (int d = 0; d < kMaxGpuWorld; ++d) {
-            if (!(tm >> d & 1u)) continue;
+          for (uint32_t m = tm; m != 0; m &= m - 1) {
+            const int d = lowest_bit(m);
             const int64_t id = owner == d ? e - d * route.epr : -1;
             const float wd = owner == d ? w : 0.f;
             if (d == me) {
-              const int64_t o = (self_base + sh.batch_pos[r][d]) * K + k;
+              const int64_t o = (self_base + sh.prefix[d] + sh.batch_pos[r][d]) * K + k;
               out_idx[o] = IdxT(id);
               if (a.out_weights) store_weight(a.out_weights, o, a.weights_dtype, wd);
             } else {
@@ -131,11 +174,10 @@ RC_DEVICE void dispatch_sender(const Env& env, const DispatchArgs& a, DispatchSh
           }
         }
         if (g.first == 0) {
-#pragma unroll
-          for (int d = 0; d < kMaxGpuWorld; ++d) {
-            if (!(tm >> d & 1u)) continue;
+          for (uint32_t m = tm; m != 0; m &= m - 1) {
+            const int d = lowest_bit(m);
             if (d == me)
-              a.out_recv_src[self_base + sh.batch_pos[r][d]] = int32_t(me * L.cap + tok);
+              a.out_recv_src[self_base + sh.prefix[d] + sh.batch_pos[r][d]] = int32_t(me * L.cap + tok);
             else
               *L.row_token(row_at(d)) = int32_t(tok);
           }
@@ -146,29 +188,25 @@ RC_DEVICE void dispatch_sender(const Env& env, const DispatchArgs& a, DispatchSh
   };
 
   // Headers that have already arrived (a poll, not a wait) let the block
-  // send its first chunk to every destination in one pass.
-  bool have_base = block_all(tid >= me || load_acquire_sys(&head_of(tid)->gen) >= gen);
+  // send its chunk to every destination in one pass. Otherwise the chunk
+  // goes to the peers before the block waits for the headers, and to this
+  // rank's output after: no peer waits for the chunk behind this wait, and
+  // every rank publishes its headers after waits on its own blocks alone.
+  const bool have_base = block_all(tid >= me || load_acquire_sys(&head_of(tid)->gen) >= gen);
   if (have_base) add_lower_rows();
-  for (int64_t c = b; c < nch; c += nblocks) {
-    send_chunk(c, have_base ? all_ranks(env) : peer_ranks(env));
-    if (tid < W && tid != me) {  // chunk c to every peer, empty or not
-      ChunkSlot* slot = L.dispatch_chunk(env.sig[tid], gen, me, c);
-      slot->row_start = uint32_t(sh.start[c][tid]);
-      slot->nrows = uint32_t(sh.start[c + 1][tid] - sh.start[c][tid]);
-      store_release_sys(&slot->gen, gen);
-    }
-    if (!have_base) {
-      // Otherwise the block's first chunk goes to the peers before the block
-      // waits for the headers, and to this rank's output after: no peer waits
-      // for that chunk behind this wait. Headers are published before any
-      // wait, so with every block resident (the launch policy) it cannot
-      // deadlock.
-      if (!block_wait_ranks(env, gen, kOpDispatch, lower, [&](int s) { return &head_of(s)->gen; })) return;
-      add_lower_rows();
-      have_base = true;
-      send_chunk(c, 1u << me);
-    }
+  send(have_base ? all_ranks(env) : peer_ranks(env));
+  if (tid < W && tid != me) {  // the chunk to every peer, empty or not
+    ChunkSlot* slot = L.dispatch_chunk(env.sig[tid], gen, me, b);
+    slot->row_start = uint32_t(sh.prefix[tid]);
+    slot->nrows = uint32_t(sh.chunk_rows[tid]);
+    store_release_sys(&slot->gen, gen);
   }
+  if (!have_base) {
+    if (!block_wait_ranks(env, gen, kOpDispatch, lower, [&](int s) { return &head_of(s)->gen; })) return false;
+    add_lower_rows();
+    send(1u << me);
+  }
+  return true;
 }
 
 // Every source's header, once it has arrived, into sh.src (thread s reads
@@ -177,9 +215,10 @@ RC_DEVICE bool load_headers(const Env& env, DispatchShared& sh, uint64_t gen) {
   const Layout& L = env.layout;
   auto head_of = [&](int s) { return L.dispatch_head(env.sig[env.rank], gen, s); };
   if (!block_wait_ranks(env, gen, kOpDispatch, all_ranks(env), [&](int s) { return &head_of(s)->gen; })) return false;
-  load_sources(env, sh.src, [&](int s, int64_t* ntok, int64_t* nrows) {
+  load_sources(env, sh.src, [&](int s, int64_t* ntok, int64_t* nrows, int64_t* chunk_tokens) {
     *ntok = head_of(s)->ntok;
     *nrows = head_of(s)->nrows;
+    *chunk_tokens = head_of(s)->chunk_tokens;
   });
   return true;
 }
@@ -229,9 +268,8 @@ RC_DEVICE bool dispatch_receiver(const Env& env, const DispatchArgs& a, Dispatch
       const int64_t hr = sh.item_row_start[g] + row_in_item;  // the source's row
       const int64_t o = sh.src.offset[s] + hr;                // its output row
       const char* row = L.dispatch_row(env.data[me], gen, s, hr);
-      RankPtrs dst;
-      dst.p[0] = out_x + o * payload;
-      with_vector(vec, [&](auto tag) { copy_row<typename decltype(tag)::type, false>(row, dst, 1u, nvec, rg); });
+      auto out_row = [&](int) { return out_x + o * payload; };
+      with_copy_vector(vec, [&](auto tag) { copy_row<typename decltype(tag)::type, false>(row, out_row, 1u, nvec, rg); });
       for (int k = int(rg.first); k < K; k += int(rg.stride)) {
         out_idx[o * K + k] = IdxT(L.row_ids(const_cast<char*>(row))[k]);
         if (a.out_weights) store_weight(a.out_weights, o * K + k, a.weights_dtype, L.row_weights(const_cast<char*>(row))[k]);
@@ -265,12 +303,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Env env, DispatchArg
   const uint64_t gen = op_generation(env, kOpDispatch);
   bool have_headers;
   if (int(blockIdx.x) < send_blocks) {
-    dispatch_sender<IdxT, KF>(env, a, sh, gen, blockIdx.x, send_blocks, vec);
-    // Every rank publishes its headers before it waits for anything, so
-    // they have usually arrived by now; a late peer keeps this block here
-    // (bounded like every wait), and after a failed wait it returns at once.
-    block_sync();
-    have_headers = load_headers(env, sh, gen);
+    // The headers have usually arrived by now; a late peer keeps this block
+    // here (bounded like every wait), and after a failed wait it returns at once.
+    have_headers = dispatch_sender<IdxT, KF>(env, a, sh, gen, blockIdx.x, send_blocks, vec) && load_headers(env, sh, gen);
   } else {
     have_headers = dispatch_receiver<IdxT>(env, a, sh, gen, blockIdx.x - send_blocks, gridDim.x - send_blocks, vec);
   }
@@ -285,7 +320,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Env env, DispatchArg
 
 void launch_dispatch(const Env& env, const DispatchArgs& a, Stream s) {
   const EpGrid g = dispatch_grid(a.ntok, env.world, env.sm_count);
-  const int vec = widest_vector(env.layout.hidden * env.layout.elt, {a.x, a.out_x});
+  const int vec = row_vector(env.layout.hidden * env.layout.elt, {a.x, a.out_x});
   const int blocks = g.send_blocks + g.recv_blocks;
   if (env.layout.topk == 8) {
     if (a.idx_is_int64) launch("dispatch", dispatch_kernel<int64_t, 8>, blocks, s, env, a, g.send_blocks, vec);

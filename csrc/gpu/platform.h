@@ -162,6 +162,16 @@ RC_DEVICE uint64_t load_relaxed_sys(const uint64_t* p) {
 #endif
 }
 
+// A release at device scope, for words that only this GPU's blocks read
+// (the dispatch tally, acquired with load_acquire_sys): no system-wide
+// visibility to wait for.
+RC_DEVICE void store_release_device(uint64_t* p, uint64_t v) {
+#ifdef RC_HIP
+  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_AGENT);
+#else
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+#endif
+}
 // Device-scope fence for the last-block-done count on this GPU's own memory.
 // (Publication needs no separate fence: the system-scope release store is
 // cumulative over the stores the block barrier ordered before it.)
@@ -200,6 +210,22 @@ RC_DEVICE bool block_all(bool pred) {
 #endif
 }
 
+// How many threads of the block have `pred` (a barrier too).
+RC_DEVICE int block_count(bool pred) {
+#ifdef RC_HIP
+  __shared__ int count;
+  if (threadIdx.x == 0) count = 0;
+  block_sync();
+  if (pred) __hip_atomic_fetch_add(&count, 1, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_WORKGROUP);
+  block_sync();
+  const int result = count;
+  block_sync();  // everyone has read `count` before a later call resets it
+  return result;
+#else
+  return __syncthreads_count(pred);
+#endif
+}
+
 // Timer for bounded spins; ticks per ms from timer_ticks_per_ms().
 RC_DEVICE uint64_t timer_ticks() {
 #ifdef RC_HIP
@@ -232,6 +258,14 @@ RC_DEVICE uint64_t warp_ballot(bool pred) {
 #endif
 }
 RC_DEVICE int popcount64(uint64_t v) { return __popcll(v); }
+// Index of the lowest set bit of a non-zero word.
+RC_DEVICE int lowest_bit(uint32_t v) {
+#ifdef RC_HIP
+  return __builtin_ctz(v);
+#else
+  return __ffs(int(v)) - 1;
+#endif
+}
 // Value of `v` on lane (this lane - delta) of the warp; this lane's own below delta.
 RC_DEVICE int32_t warp_shfl_up(int32_t v, int delta) {
 #ifdef RC_HIP

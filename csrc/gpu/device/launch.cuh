@@ -43,6 +43,11 @@ inline int widest_vector(int64_t row_bytes, std::initializer_list<const void*> p
   }
   return 1;
 }
+// The EP row loops' vector (with_row_vector, with_copy_vector): 16 bytes, or
+// 2 (the loops then take elements, or 2-byte pieces).
+inline int row_vector(int64_t row_bytes, std::initializer_list<const void*> ptrs) {
+  return widest_vector(row_bytes, ptrs) == 16 ? 16 : 2;
+}
 
 }  // namespace gpu
 }  // namespace rdna4_comm

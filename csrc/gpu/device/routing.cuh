@@ -1,6 +1,6 @@
 // Expert-parallel routing on the device, shared by dispatch and combine:
 // destination sets, row positions, and the (source, chunk) items receivers
-// take. Both ops chunk a source's tokens with ep_chunk_tokens (protocol.h).
+// take (chunkings: protocol.h, at ep_chunks).
 #pragma once
 
 #include "launch.cuh"
@@ -13,6 +13,7 @@ struct Routing {
   const IdxT* idx;
   int K;
   int64_t num_experts, epr;
+  int world;
   RC_DEVICE int topk() const { return KF > 0 ? KF : K; }
   RC_DEVICE uint32_t mask(int64_t t) const {
     uint32_t m = 0;
@@ -22,12 +23,12 @@ struct Routing {
       // loads are unrolled and all in flight at once.
 #pragma unroll
       for (int k = 0; k < KF; ++k) {
-        const int o = expert_owner(int64_t(row[k]), num_experts, epr);
+        const int o = expert_owner(int64_t(row[k]), num_experts, epr, world);
         if (o >= 0) m |= 1u << o;
       }
     } else {
       for (int k = 0; k < K; ++k) {
-        const int o = expert_owner(int64_t(row[k]), num_experts, epr);
+        const int o = expert_owner(int64_t(row[k]), num_experts, epr, world);
         if (o >= 0) m |= 1u << o;
       }
     }
@@ -37,8 +38,8 @@ struct Routing {
 
 // Within-batch positions: for each destination d, the number of earlier
 // tokens of the batch (threads below this one) that go to d, plus run[d];
-// then run[d] grows by the batch's total. Ballots over each warp, warp totals
-// through shared memory, one row per warp of the block.
+// then run[d] grows by the batch's total. Ballots over each warp, then warp
+// d scans destination d's warp totals (shared memory) with shuffles.
 RC_DEVICE void batch_positions(uint32_t m, int W, int32_t (&pos)[kMaxGpuWorld],
                                int32_t (&warp_tot)[kMaxWarps][kMaxGpuWorld], int32_t* run) {
   const int ws = warp_size(), lane = lane_id(), warp = threadIdx.x / ws, nw = blockDim.x / ws;
@@ -51,16 +52,23 @@ RC_DEVICE void batch_positions(uint32_t m, int W, int32_t (&pos)[kMaxGpuWorld],
     if (lane == 0) warp_tot[warp][d] = popcount64(bal);
   }
   block_sync();
+  if (warp < W) {  // warp_tot[w][d] becomes run[d] plus the totals of the warps below w
+    const int d = warp;
+    const int32_t base = run[d], v = lane < nw ? warp_tot[lane][d] : 0;
+    int32_t inclusive = v;
+    for (int o = 1; o < nw; o *= 2) {
+      const int32_t lower = warp_shfl_up(inclusive, o);
+      if (lane >= o) inclusive += lower;
+    }
+    if (lane < nw) warp_tot[lane][d] = base + inclusive - v;
+    if (lane == nw - 1) run[d] = base + inclusive;
+  }
+  block_sync();
 #pragma unroll
   for (int d = 0; d < kMaxGpuWorld; ++d) {
     if (d >= W) break;
-    int32_t off = run[d];
-    for (int w = 0; w < warp; ++w) off += warp_tot[w][d];
-    pos[d] += off;
+    pos[d] += warp_tot[warp][d];
   }
-  block_sync();
-  if (int(threadIdx.x) < W)
-    for (int w = 0; w < nw; ++w) run[threadIdx.x] += warp_tot[w][threadIdx.x];
   block_sync();
 }
 
@@ -108,25 +116,27 @@ struct Items {
   int group;
 };
 
-// What a block knows about every source rank: its token count, the rows it
-// sent this rank, the chunks to take from the heap, and where its rows start
-// in the received rows (sources in rank order).
+// What a block knows about every source rank: its token count and
+// chunking, the rows it sent this rank, the chunks to take from the heap,
+// and where its rows start in the received rows (sources in rank order).
 struct Sources {
-  int32_t ntok[kMaxGpuWorld], nrows[kMaxGpuWorld], nchunks[kMaxGpuWorld], offset[kMaxGpuWorld + 1];
+  int32_t ntok[kMaxGpuWorld], chunk_tokens[kMaxGpuWorld], nrows[kMaxGpuWorld], nchunks[kMaxGpuWorld];
+  int32_t offset[kMaxGpuWorld + 1];
 };
 
-// Block-wide: fills `src` from counts_of(s, &ntok, &nrows), called by thread
-// s for every source s, then the row offsets. This rank's own rows never pass
-// through the heap, so it is listed with no chunks.
+// Block-wide: fills `src` from counts_of(s, &ntok, &nrows, &chunk_tokens),
+// called by thread s for every source s, then the row offsets. This rank's
+// own rows never pass through the heap, so it is listed with no chunks.
 template <typename CountsOf>
 RC_DEVICE void load_sources(const Env& env, Sources& src, CountsOf counts_of) {
   const int W = env.world, tid = threadIdx.x;
   if (tid < W) {
-    int64_t ntok, nrows;
-    counts_of(tid, &ntok, &nrows);
+    int64_t ntok, nrows, chunk_tokens;
+    counts_of(tid, &ntok, &nrows, &chunk_tokens);
     src.ntok[tid] = int32_t(ntok);
+    src.chunk_tokens[tid] = int32_t(chunk_tokens);
     src.nrows[tid] = int32_t(nrows);
-    src.nchunks[tid] = tid == env.rank ? 0 : int32_t(ep_num_chunks(ntok));
+    src.nchunks[tid] = tid == env.rank ? 0 : int32_t(ep_chunks(ntok, chunk_tokens));
   }
   block_sync();
   if (tid == 0) {
@@ -146,7 +156,7 @@ RC_DEVICE Items source_items(const Sources& src, int W) {
   for (int s = 0; s < W; ++s) {
     if (src.nchunks[s] == 0) continue;
     count += src.nchunks[s];
-    cmax = ep_chunk_tokens(src.ntok[s]) > cmax ? ep_chunk_tokens(src.ntok[s]) : cmax;
+    cmax = src.chunk_tokens[s] > cmax ? src.chunk_tokens[s] : cmax;
   }
   return {count, group_size(cmax)};
 }
