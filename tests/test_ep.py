@@ -84,7 +84,10 @@ def test_top_k_one_to_sixty_four(world):
 def test_large_batches_span_multi_token_chunks(world, tokens):
     """Token counts past 128 give chunks of several tokens (ep_chunk_tokens),
     past 8192 chunks of more than 64 tokens (one chunk per receive group) and
-    past 65536 chunks of more than one block of tokens."""
+    past 65536 chunks of more than one block of tokens; on the GPU, 66000
+    tokens also give dispatch sender blocks (a chunk each) ranges of more
+    than a block of tokens (ep_own_block_tokens: about 674 at W = 1 on 132
+    multiprocessors), which they route in several batches."""
     W = world.size
     cfg = ep_config(tokens, 8, 8, 8 * W, torch.bfloat16)
     Ts = [tokens - (r % 3 * tokens) // 3 for r in range(W)]  # T, 2T/3, T/3, T, ... at any world size
