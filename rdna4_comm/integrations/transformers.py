@@ -10,10 +10,10 @@
   ``experts_implementation``: eager, grouped_mm, batched_mm, ...) and its
   shared experts; each rank holds only its experts, global ids
   ``[rank*E/W, (rank+1)*E/W)``.
-- :class:`TensorParallelMLP` turns a LlamaMLP-style block (``gate_proj``,
-  ``up_proj``, ``down_proj``, ``act_fn``) into its tensor-parallel form:
-  gate/up column-parallel, down row-parallel, ``comm.all_reduce`` of the
-  partial sums.
+- :class:`TensorParallelMLP` (defined in :mod:`rdna4_comm.tp`) turns a
+  LlamaMLP-style block (``gate_proj``, ``up_proj``, ``down_proj``,
+  ``act_fn``) into its tensor-parallel form: gate/up column-parallel, down
+  row-parallel, ``comm.all_reduce`` of the partial sums.
 
 :class:`ExpertParallelMoEBlock` takes the block's modules over and cuts its
 experts module down to this rank's experts in place: do not use the block
@@ -31,10 +31,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..communicator import Communicator
+from ..tp import TensorParallelMLP
+
+__all__ = ["ADAPTERS", "ExpertParallelMoEBlock", "MoEAdapter", "Routing", "TensorParallelMLP", "adapter_for"]
 
 
 class Routing(NamedTuple):
@@ -235,73 +237,3 @@ class ExpertParallelMoEBlock(nn.Module):
         if self.adapter.shared is not None:
             out = out + self.adapter.shared(self, x)
         return self.adapter.output(out.view(hidden_states.shape), routing)
-
-
-def _column_shard(linear: nn.Linear, rows: slice) -> nn.Linear:
-    """Output features ``rows`` of ``linear`` (weight rows and bias)."""
-    part = nn.Linear(linear.in_features, rows.stop - rows.start, bias=linear.bias is not None,
-                     device=linear.weight.device, dtype=linear.weight.dtype)
-    with torch.no_grad():
-        part.weight.copy_(linear.weight[rows])
-        if linear.bias is not None:
-            part.bias.copy_(linear.bias[rows])
-    return part
-
-
-def _row_shard(linear: nn.Linear, cols: slice) -> nn.Linear:
-    """Input features ``cols`` of ``linear`` (weight columns); the bias is kept
-    whole, to be added once after the reduction."""
-    part = nn.Linear(cols.stop - cols.start, linear.out_features, bias=linear.bias is not None,
-                     device=linear.weight.device, dtype=linear.weight.dtype)
-    with torch.no_grad():
-        part.weight.copy_(linear.weight[:, cols])
-        if linear.bias is not None:
-            part.bias.copy_(linear.bias)
-    return part
-
-
-class TensorParallelMLP(nn.Module):
-    """The tensor-parallel form of a LlamaMLP-style block,
-    ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``.
-
-    Rank ``r`` holds rows ``[r*I/W, (r+1)*I/W)`` of ``gate_proj`` and ``up_proj``
-    (column-parallel) and the same columns of ``down_proj`` (row-parallel), so
-    its down projection is a partial sum of the output, in the MLP's dtype;
-    ``comm.all_reduce`` adds the partial sums in fp32 in rank order, rounded
-    once, bitwise identical on every rank. Every rank passes the same ``x``.
-
-    The reduction is kept apart from the rest (:meth:`partial_sum`) so that a
-    decoder layer can hand the partial sum to a fused all_reduce + residual +
-    RMSNorm instead of calling :meth:`forward`.
-
-    Args:
-        mlp: a module with ``gate_proj``, ``up_proj``, ``down_proj``
-            (``nn.Linear``) and ``act_fn`` (``activation_fn`` in Llama-4), e.g.
-            ``LlamaMLP``, ``Qwen3MoeMLP``, ``DeepseekV3MLP``. Not changed.
-        comm: any communicator of the group (EP fields not needed); the
-            intermediate size must be a multiple of its world size.
-    """
-
-    def __init__(self, mlp: nn.Module, comm: Communicator):
-        super().__init__()
-        intermediate = mlp.gate_proj.out_features
-        if intermediate % comm.world_size:
-            raise ValueError(
-                f"intermediate size {intermediate} is not a multiple of the world size {comm.world_size}"
-            )
-        n = intermediate // comm.world_size
-        mine = slice(comm.rank * n, (comm.rank + 1) * n)
-        self.comm = comm
-        self.gate_proj = _column_shard(mlp.gate_proj, mine)
-        self.up_proj = _column_shard(mlp.up_proj, mine)
-        self.down_proj = _row_shard(mlp.down_proj, mine)
-        self.act_fn = mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn
-
-    def partial_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the output, before the reduction and without
-        ``down_proj``'s bias (added once, after it)."""
-        return F.linear(self.act_fn(self.gate_proj(x)) * self.up_proj(x), self.down_proj.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.comm.all_reduce(self.partial_sum(x))
-        return out if self.down_proj.bias is None else out + self.down_proj.bias
