@@ -32,7 +32,7 @@ import torch
 
 from rdna4_comm import Communicator
 from rdna4_comm._bench.cases import EP_EXPERTS, EP_TOPK, ep_ops, record
-from rdna4_comm._bench.timing import measure
+from rdna4_comm._timing import measure
 
 HIDDEN = (2048, 3072, 4096, 5120, 7168, 8192)
 TOKENS = (8, 32, 64, 128, 256, 512, 1024, 4096, 8192, 16384)

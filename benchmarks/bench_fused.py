@@ -19,7 +19,7 @@ import torch
 
 from rdna4_comm import Communicator
 from rdna4_comm._bench.cases import fused_ops, record
-from rdna4_comm._bench.timing import measure
+from rdna4_comm._timing import measure
 
 TOKENS = (1, 8, 32, 128, 512, 2048)
 HIDDEN = (2048, 2880, 4096, 7168, 8192)

@@ -7,7 +7,7 @@ side by side with its baseline in one run and checked before it is timed.
 Common to every row: top-8 of 256 experts, distinct and uniform per token
 (rdna4_comm._bench.cases.ep_routing); routing as a real router gives it:
 topk_idx [T, 8] int64, topk_weights [T, 8] bf16; payload x [T, H] bf16
-(rdna4_comm._bench.checks.pattern); capacity cap = T unless a row says
+(rdna4_comm._checks.pattern); capacity cap = T unless a row says
 otherwise. Dispatch returns x [cap, H] bf16, topk_idx [cap, 8] int64,
 topk_weights [cap, 8] bf16, counts [1] int32 and a handle (recv_src [cap],
 counts [1], src_tokens [1], send_mask [T], all int32); combine takes y
@@ -53,7 +53,7 @@ Method.
   p50 over rounds x calls; op and baseline take turns call by call, in an
   order that flips every round.
 - Graph replay (rows 3-5, GPU): dispatch + combine captured in one
-  torch.cuda.CUDAGraph (rdna4_comm._bench.timing's clock: eager warm-up on a
+  torch.cuda.CUDAGraph (rdna4_comm._timing's clock: eager warm-up on a
   side stream first), each replay between CUDA events; p50; its result is
   checked too.
 - Host time (rows 6-7): ``time.perf_counter`` around blocks of back-to-back
@@ -114,8 +114,9 @@ from rdna4_comm._bench.kernel_cases import CPU_SHAPES, DTYPE, GPU_SHAPES, Cases,
 from rdna4_comm._bench.ncu import aggregate, find_ncu, function_base, ncu_version, run_ncu
 from rdna4_comm._bench.profiling import Timer
 from rdna4_comm._bench.report import format_table
-from rdna4_comm._bench.timing import Stats
-from rdna4_comm._bench.world import OneRank, describe, usable_gpus
+from rdna4_comm._timing import Stats
+from rdna4_comm._bench.world import describe
+from rdna4_comm._ranks import one_rank, usable_gpus
 
 NAME = "bench_kernels"
 
@@ -181,7 +182,7 @@ def ncu_child_command(child_args: list[str]) -> list[str]:
 def ncu_child(device: str, shapes: Shapes) -> int:
     """Under ncu: check, warm up, then profile one call of each op of NCU_OPS,
     each inside cudaProfilerStart/Stop."""
-    rank = OneRank(device)
+    rank = one_rank(device)
     cases = Cases(rank, shapes)
     try:
         cases.check_all(NCU_OPS)
@@ -408,7 +409,7 @@ def main(argv=None) -> int:
             print(f"note: {text}", flush=True)
             write({"type": "note", "text": text})
 
-        rank = OneRank(device)
+        rank = one_rank(device)
         cases = None
         try:
             cases = Cases(rank, shapes)

@@ -12,7 +12,7 @@ every process:
    rdna4_comm.moe.dense_moe, within bf16 rounding;
 3. a raw dispatch -> combine round trip, bitwise equal to
    rdna4_comm.reference.dispatch/combine;
-4. a tensor-parallel MLP block (rdna4_comm.tp.TensorParallelMLP: sharded
+4. a tensor-parallel MLP block (rdna4_comm.tp.TensorParallelMLP.forward_norm: sharded
    matmuls, then all_reduce_rmsnorm into the next norm) against the
    single-process rdna4_comm.tp.dense_mlp_block, within bf16 rounding;
 
@@ -30,14 +30,16 @@ import torch
 
 from . import _C, reference
 from ._bench.cases import EP_EXPERTS, EP_TOPK, allreduce_ops, ep_ops, record
-from ._bench.checks import assert_same, rand
+from ._checks import assert_same, rand
 from ._bench.report import comparison_table
-from ._bench.timing import Op, measure
-from ._bench.world import CheckFailed, describe, launch, resolve_world
+from ._timing import Op, measure
+from ._bench.world import describe, launch, resolve_world
+from ._ranks import CheckFailed
 from ._launch import WorldFailed
-from .communicator import Communicator, allreduce_algorithm
+from .algorithms import allreduce_algorithm
+from .communicator import Communicator
 from .moe import ExpertParallelMoE, dense_moe, init_weights
-from .tp import TensorParallelMLP, dense_mlp_block
+from .tp import TensorParallelMLP, dense_mlp_block, llama_mlp
 from .tp import init_weights as init_tp_weights
 
 # The checks' layer: small enough for CPU processes, big enough for several
@@ -92,10 +94,11 @@ def check_round_trip(ctx, comm) -> str:
 def check_tp(ctx, comm) -> str:
     """TensorParallelMLP over the ranks equals dense_mlp_block within bf16 rounding."""
     weights = init_tp_weights(2, TP_HIDDEN, TP_FFN)
-    block = TensorParallelMLP(comm, weights)
+    mlp = TensorParallelMLP(llama_mlp(weights, ctx.device), comm)
     normed = rand(200, 0, (16, TP_HIDDEN), torch.bfloat16) / 4  # unit scale, exact in bf16
     residual = rand(201, 0, (16, TP_HIDDEN), torch.bfloat16) / 4
-    out, residual_out = block(normed.to(ctx.device), residual.to(ctx.device))
+    out, residual_out = mlp.forward_norm(normed.to(ctx.device), residual.to(ctx.device),
+                                         weights["next_norm"].to(ctx.device))
     dense_out, dense_residual = dense_mlp_block(normed, residual, weights)
     torch.testing.assert_close(residual_out.cpu().float(), dense_residual.float(), rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(out.cpu().float(), dense_out.float(), rtol=3e-2, atol=3e-2)
@@ -106,16 +109,19 @@ def check_tp(ctx, comm) -> str:
 def tp_block_ops(ctx, comm, tokens: int) -> list[Op]:
     """The TP block with all_reduce_rmsnorm against the same block unfused
     (all_reduce, add, RMSNorm): the same residual_out bitwise."""
-    block = TensorParallelMLP(comm, init_tp_weights(2, TP_HIDDEN, TP_FFN))
+    weights = init_tp_weights(2, TP_HIDDEN, TP_FFN)
+    mlp = TensorParallelMLP(llama_mlp(weights, ctx.device), comm)
+    norm = weights["next_norm"].to(ctx.device)
     normed = (rand(300, 0, (tokens, TP_HIDDEN), torch.bfloat16) / 4).to(ctx.device)
     residual = (rand(301, 0, (tokens, TP_HIDDEN), torch.bfloat16) / 4).to(ctx.device)
-    expected = block.unfused(normed, residual)[1].cpu()
+    expected = mlp.forward_norm_unfused(normed, residual, norm)[1].cpu()
 
     def check(result):
         assert_same(result[1].cpu(), expected, f"TP block [{tokens}, {TP_HIDDEN}] residual_out, fused vs unfused")
 
-    return [Op("rdna4_comm", lambda: block(normed, residual), check, detail="TP block, all_reduce_rmsnorm"),
-            Op("rdna4_comm_unfused", lambda: block.unfused(normed, residual), check,
+    return [Op("rdna4_comm", lambda: mlp.forward_norm(normed, residual, norm), check,
+               detail="TP block, all_reduce_rmsnorm"),
+            Op("rdna4_comm_unfused", lambda: mlp.forward_norm_unfused(normed, residual, norm), check,
                detail="TP block, all_reduce + add + RMSNorm")]
 
 

@@ -1,8 +1,11 @@
 """Dense single-process reference: given every rank's inputs (lists indexed by
-rank), what every rank must get from dispatch, combine and all_reduce.
+rank), what every rank must get from dispatch, combine, all_reduce and
+all_reduce_rmsnorm.
 
 Pure torch. Sums run in float32 in ascending rank order and round once, the
-order the transports use, so results are comparable bitwise.
+order the transports use, so results are comparable bitwise. The fused op's
+norm is specified to within one ulp (:func:`assert_rmsnorm_within_contract`,
+with the kernels' exact arithmetic in :func:`ieee_normalised`).
 """
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .communicator import DispatchHandle, Dispatched
+from .results import DispatchHandle, Dispatched
 
 
 def _sum_in_rank_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -43,6 +46,40 @@ def all_reduce_rmsnorm(
     if residual is not None:
         r = r + residual
     return rms_norm(r, weight, eps), r
+
+
+def ieee_normalised(r32: torch.Tensor, eps: float) -> torch.Tensor:
+    """``r32 * (1 / sqrt(mean(r32**2, -1) + eps))`` as the kernels compute it
+    (``rmsnorm_inv_rms`` in csrc/protocol.h): the squares summed in float64
+    and the mean rounded once to float32, then every step one correctly
+    rounded float32 operation. Each step runs in float64 and is rounded to
+    float32 (exact for a product, correctly rounded for a sum, quotient or
+    square root of float32 values), because torch's float32 sqrt and rsqrt
+    on the CPU are not always correctly rounded."""
+    f32 = torch.float32
+    mean = (r32.double().pow(2).sum(-1, keepdim=True) / r32.shape[-1]).to(f32)
+    shifted = (mean.double() + torch.tensor(eps, dtype=f32).double()).to(f32)
+    inv = (1.0 / shifted.double().sqrt().to(f32).double()).to(f32)
+    return (r32.double() * inv.double()).to(f32)
+
+
+def assert_rmsnorm_within_contract(out: torch.Tensor, residual_out: torch.Tensor, weight: torch.Tensor,
+                                   eps: float, what: str = "all_reduce_rmsnorm") -> None:
+    """Raise AssertionError unless ``out`` is what the contract allows for
+    this ``residual_out`` (docs/semantics.md, section 8): the torch
+    composition except for the reduction order of the mean, i.e. the
+    normalised value before the weight multiply within 1 ulp of the dtype of
+    the one IEEE fp32 arithmetic gives from an accurately summed mean
+    (:func:`ieee_normalised`). The tests and benchmarks check with it."""
+    out, residual_out, weight = (t.detach().cpu() for t in (out, residual_out, weight))
+    dtype = out.dtype
+    expected = rms_norm(residual_out, weight, eps)
+    normalised = ieee_normalised(residual_out.float(), eps).to(dtype)
+    ok = torch.isnan(out) & torch.isnan(expected)
+    for towards in (None, float("inf"), float("-inf")):
+        n = normalised if towards is None else torch.nextafter(normalised, torch.full_like(normalised, towards))
+        ok |= (weight.float() * n.float()).to(dtype) == out
+    assert bool(ok.all()), f"{what}: {int((~ok).sum())} elements beyond 1 ulp of the normalised value"
 
 
 def expert_owners(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> torch.Tensor:

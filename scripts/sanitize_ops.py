@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 import rdna4_comm as rc
 from rdna4_comm import reference
-from rdna4_comm._bench.cases import assert_rmsnorm_within_contract
-from rdna4_comm._bench.checks import assert_same, received_rows
+from rdna4_comm.reference import assert_rmsnorm_within_contract
+from rdna4_comm._checks import assert_same, received_rows
 from rdna4_comm._launch import Member, ProcessWorld, to_cpu
 
 W, CAP, H, TOPK = 2, 16, 64, 2

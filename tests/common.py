@@ -1,5 +1,5 @@
 """Inputs and comparisons shared by the tests. The ones the benchmarks and
-the demo use too live in rdna4_comm._bench.checks and are re-exported here."""
+the demo use too live in rdna4_comm._checks and are re-exported here."""
 from __future__ import annotations
 
 import glob
@@ -7,9 +7,9 @@ import os
 
 import torch
 
-from rdna4_comm._bench.checks import assert_dispatched, rand, received_rows  # noqa: F401  (re-exported to the tests)
+from rdna4_comm._checks import assert_dispatched, rand, received_rows  # noqa: F401  (re-exported to the tests)
 # Bitwise equality of dtype, shape and every byte: the benchmarks' check.
-from rdna4_comm._bench.checks import assert_same as assert_bitwise  # noqa: F401  (re-exported to the tests)
+from rdna4_comm._checks import assert_same as assert_bitwise  # noqa: F401  (re-exported to the tests)
 
 
 def shm_segments(*pids: int) -> list[str]:

@@ -3,7 +3,7 @@
 A :class:`World` spawns W ranks once (spawning costs seconds: a test module
 feeds one world many cases, hypothesis examples included), through
 rdna4_comm._launch. Each rank runs module-level task functions
-``task(ctx, *args)``, with ``ctx`` its :class:`Rank`; :meth:`World.run` runs
+``task(ctx, *args)``, with ``ctx`` its rdna4_comm._ranks.RankContext; :meth:`World.run` runs
 one task on every rank and returns the results in rank order, or raises with
 every failing rank's traceback. Results come back pickled by value, tensors
 moved to the CPU.
@@ -14,74 +14,24 @@ import os
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from rdna4_comm._launch import Member, ProcessWorld
+from rdna4_comm._ranks import RankContext
 
 TASK_TIMEOUT_S = float(os.environ.get("RDNA4_COMM_TEST_TASK_TIMEOUT_S", 300))
 
 
-class Rank:
-    """Per-rank state that tasks share: rank, world size, transport, device,
-    and communicators cached by their constructor arguments."""
-
-    MAX_CACHED = 6
-
-    def __init__(self, rank: int, world: int, transport: str):
-        import rdna4_comm as rc
-
-        self.rank, self.world, self.transport = rank, world, transport
-        # Ranks share GPUs round-robin where there are fewer GPUs than ranks
-        # (only with RDNA4_COMM_ALLOW_SHARED_GPU=1; see gpu_world_sizes).
-        # "dist" runs on the GPUs where every rank has one.
-        on_gpu = transport == "gpu" or (transport == "dist" and rc._C.with_gpu and torch.cuda.is_available())
-        self.device = torch.device("cuda", rank % torch.cuda.device_count()) if on_gpu else torch.device("cpu")
-        self._comms: dict = {}
-
-    @property
-    def captures_graphs(self) -> bool:
-        """Whether this rank's ops can be captured in CUDA graphs: on GPUs,
-        except transport "dist" where ranks share a GPU (NCCL refuses that, so
-        its group is gloo, which synchronises the stream on the host)."""
-        return self.device.type == "cuda" and (self.transport != "dist" or torch.cuda.device_count() >= self.world)
-
-    def comm(self, **kwargs):
-        """A communicator with these arguments, created collectively on first use.
-        Every rank must ask for the same ones in the same order."""
-        import rdna4_comm as rc
-
-        key = tuple(sorted(kwargs.items(), key=lambda kv: kv[0]))
-        c = self._comms.get(key)
-        if c is None or c.closed:
-            if len(self._comms) >= self.MAX_CACHED:
-                old = next(iter(self._comms))
-                self._comms.pop(old).close()
-            kwargs.setdefault("transport", self.transport)
-            c = self._comms[key] = rc.Communicator(**kwargs)
-        return c
-
-    def drop_comms(self):
-        for c in self._comms.values():
-            c.close()
-        self._comms.clear()
-
-    def sync(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def close(self):
-        self.drop_comms()
-        dist.destroy_process_group()
-
-
-def _setup(member: Member, transport: str, env_of_rank: dict) -> Rank:
+def _setup(member: Member, transport: str, env_of_rank: dict) -> RankContext:
     os.environ.update(env_of_rank.get(member.rank, {}))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=member.init_method, rank=member.rank, world_size=member.world)
-    ctx = Rank(member.rank, member.world, transport)
-    if ctx.device.type == "cuda":
-        torch.cuda.set_device(ctx.device)
-    return ctx
+    import rdna4_comm as rc
+
+    # Ranks share GPUs round-robin where there are fewer GPUs than ranks
+    # (only with RDNA4_COMM_ALLOW_SHARED_GPU=1; see gpu_world_sizes).
+    # "dist" runs on the GPUs where every rank has one.
+    on_gpu = transport == "gpu" or (transport == "dist" and rc._C.with_gpu and torch.cuda.is_available())
+    device = torch.device("cuda", member.rank % torch.cuda.device_count()) if on_gpu else torch.device("cpu")
+    return RankContext(member.rank, member.world, transport, device, member.init_method, member=member)
 
 
 class World(ProcessWorld):

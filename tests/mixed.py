@@ -17,8 +17,8 @@ import torch
 from common import ep_inputs, expert_fn, rand
 
 from rdna4_comm import reference
-from rdna4_comm._bench.cases import assert_rmsnorm_within_contract
-from rdna4_comm._bench.checks import HANDLE_FIELDS, received_rows
+from rdna4_comm.reference import assert_rmsnorm_within_contract
+from rdna4_comm._checks import HANDLE_FIELDS, received_rows
 
 CAP, HIDDEN, TOPK, EXPERTS_PER_RANK = 12, 40, 4, 3
 EP_DTYPE = torch.bfloat16

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from rdna4_comm import _host_findings as findings
 from rdna4_comm import doctor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,39 +90,39 @@ def by_area(findings, area):
 
 
 def test_parse_lspci_reads_acs_control_per_device():
-    on = doctor.parse_lspci(LSPCI_ACS_ON)
+    on = findings.parse_lspci(LSPCI_ACS_ON)
     assert [d["bdf"] for d in on] == ["0000:00:01.1", "0000:03:00.0"]
     assert on[0]["description"].startswith("PCI bridge: Advanced Micro Devices")
     assert on[0]["acs_ctl"] == {"SrcValid": True, "TransBlk": False, "ReqRedir": True, "CmpltRedir": True,
                                 "UpstreamFwd": True, "EgressCtrl": False, "DirectTrans": False}
     assert on[1]["acs_ctl"] is None
 
-    [warning] = doctor.acs_findings(on)
+    [warning] = findings.acs_findings(on)
     assert warning["severity"] == "warning" and "0000:00:01.1" in warning["what"]
     assert "SrcValid+ ReqRedir+ CmpltRedir+ UpstreamFwd+" in warning["what"]
     assert "BIOS" in warning["fix"] and "setpci" in warning["fix"] and "pci=noacs" in warning["fix"]
 
-    [ok] = doctor.acs_findings(doctor.parse_lspci(LSPCI_ACS_OFF))
+    [ok] = findings.acs_findings(findings.parse_lspci(LSPCI_ACS_OFF))
     assert ok["severity"] == "ok" and ok["fix"] is None
 
 
 def test_acs_unknown_without_root_or_without_lspci():
-    [no_root] = doctor.acs_findings(doctor.parse_lspci(LSPCI_NO_ROOT))
+    [no_root] = findings.acs_findings(findings.parse_lspci(LSPCI_NO_ROOT))
     assert no_root["severity"] == "info" and "root" in no_root["what"]
-    [missing] = doctor.acs_findings(None)
+    [missing] = findings.acs_findings(None)
     assert missing["severity"] == "info" and "not installed" in missing["what"]
 
 
 def test_read_bar_sizes_small_and_large_bar(tmp_path):
     sys_root = write_sys(tmp_path)
-    small, large = doctor.read_bar_sizes(sys_root, GPU0), doctor.read_bar_sizes(sys_root, GPU1)
+    small, large = findings.read_bar_sizes(sys_root, GPU0), findings.read_bar_sizes(sys_root, GPU1)
     assert [(b["bar"], b["bytes"], b["prefetchable"], b["mem64"]) for b in small] == [
         (0, 256 << 20, True, True), (2, 2 << 20, True, True), (5, 512 << 10, False, False)]
     assert large[0]["bytes"] == 32 << 30
-    assert doctor.read_bar_sizes(sys_root, "0000:99:00.0") == []
+    assert findings.read_bar_sizes(sys_root, "0000:99:00.0") == []
 
     gpus = [{"index": i, "bars": b} for i, b in enumerate((small, large, []))]
-    warn, ok, unknown = doctor.bar_findings(gpus)
+    warn, ok, unknown = findings.bar_findings(gpus)
     assert warn["severity"] == "warning" and "BAR0, 256 MiB" in warn["what"] and "Resizable BAR" in warn["fix"]
     assert ok["severity"] == "ok" and "32 GiB" in ok["what"]
     assert unknown["severity"] == "info"
@@ -129,13 +130,13 @@ def test_read_bar_sizes_small_and_large_bar(tmp_path):
 
 def test_numa_node_and_host_bridge_from_sysfs(tmp_path):
     sys_root = write_sys(tmp_path)
-    assert [doctor.read_numa_node(sys_root, b) for b in (GPU0, GPU1)] == [0, 1]
-    assert [doctor.read_root_complex(sys_root, b) for b in (GPU0, GPU1)] == ["pci0000:00", "pci0000:80"]
+    assert [findings.read_numa_node(sys_root, b) for b in (GPU0, GPU1)] == [0, 1]
+    assert [findings.read_root_complex(sys_root, b) for b in (GPU0, GPU1)] == ["pci0000:00", "pci0000:80"]
     (sys_root / "devices" / "pci0000:00" / GPU0 / "numa_node").write_text("-1\n")
-    assert doctor.read_numa_node(sys_root, GPU0) is None
+    assert findings.read_numa_node(sys_root, GPU0) is None
     gpus = [{"numa_node": 0, "root_complex": "pci0000:00"}, {"numa_node": 1, "root_complex": "pci0000:80"}]
-    assert {f["area"] for f in doctor.topology_findings(gpus)} == {"numa", "root_complex"}
-    assert doctor.topology_findings([gpus[0], gpus[0]]) == []
+    assert {f["area"] for f in findings.topology_findings(gpus)} == {"numa", "root_complex"}
+    assert findings.topology_findings([gpus[0], gpus[0]]) == []
 
 
 @pytest.mark.parametrize("cmdline, units, group_type, mode", [
@@ -149,32 +150,32 @@ def test_numa_node_and_host_bridge_from_sysfs(tmp_path):
 def test_iommu_mode(tmp_path, cmdline, units, group_type, mode):
     sys_root = write_sys(tmp_path, iommu_units=units, group_type=group_type or "unused")
     bus_ids = [GPU0, GPU1] if group_type else []
-    iommu = doctor.iommu_mode(cmdline, sys_root, bus_ids)
+    iommu = findings.iommu_mode(cmdline, sys_root, bus_ids)
     assert iommu["mode"] == mode and iommu["units"] == sorted(units)
-    [f] = doctor.iommu_findings(iommu)
+    [f] = findings.iommu_findings(iommu)
     if mode == "translated":
         assert f["severity"] == "warning" and "iommu=pt" in f["fix"]
     else:
         assert f["severity"] == "ok" and f["fix"] is None
-    assert doctor.kernel_iommu_args(cmdline) == {k: v for k, v in (w.split("=", 1) for w in cmdline.split()[1:]
+    assert findings.kernel_iommu_args(cmdline) == {k: v for k, v in (w.split("=", 1) for w in cmdline.split()[1:]
                                                                    if "=" in w) if "iommu" in k}
 
 
 def test_iommu_mode_unknown_without_sysfs(tmp_path):
-    assert doctor.iommu_mode("ro quiet", tmp_path / "nothing")["mode"] == "unknown"
+    assert findings.iommu_mode("ro quiet", tmp_path / "nothing")["mode"] == "unknown"
 
 
 def test_amdgpu_parameters_and_p2pdma(tmp_path):
     sys_root = write_sys(tmp_path, p2pmem=("0000:41:00.0",))
-    params = doctor.read_module_params(sys_root, "amdgpu")
+    params = findings.read_module_params(sys_root, "amdgpu")
     assert params == {"pcie_p2p": "N", "vramlimit": "0"}
-    [f] = doctor.amdgpu_findings(params)
+    [f] = findings.amdgpu_findings(params)
     assert f["severity"] == "warning" and "amdgpu.pcie_p2p=1" in f["fix"]
-    assert doctor.amdgpu_findings({"pcie_p2p": "Y"})[0]["severity"] == "ok"
-    assert doctor.amdgpu_findings({}) == []
-    assert doctor.read_module_params(sys_root, "nvidia") == {}
-    assert doctor.read_p2pmem_devices(sys_root) == ["0000:41:00.0"]
-    assert "0000:41:00.0" in doctor.p2pdma_findings(["0000:41:00.0"])[0]["what"]
+    assert findings.amdgpu_findings({"pcie_p2p": "Y"})[0]["severity"] == "ok"
+    assert findings.amdgpu_findings({}) == []
+    assert findings.read_module_params(sys_root, "nvidia") == {}
+    assert findings.read_p2pmem_devices(sys_root) == ["0000:41:00.0"]
+    assert "0000:41:00.0" in findings.p2pdma_findings(["0000:41:00.0"])[0]["what"]
 
 
 def test_platform_report_collects_every_finding(tmp_path):
@@ -182,10 +183,10 @@ def test_platform_report_collects_every_finding(tmp_path):
     proc_root = tmp_path / "proc"
     proc_root.mkdir()
     (proc_root / "cmdline").write_text("BOOT_IMAGE=/vmlinuz ro amd_iommu=on\n")
-    gpus = [{"index": i, "pci_bus_id": b, "bars": doctor.read_bar_sizes(sys_root, b),
-             "numa_node": doctor.read_numa_node(sys_root, b), "root_complex": doctor.read_root_complex(sys_root, b)}
+    gpus = [{"index": i, "pci_bus_id": b, "bars": findings.read_bar_sizes(sys_root, b),
+             "numa_node": findings.read_numa_node(sys_root, b), "root_complex": findings.read_root_complex(sys_root, b)}
             for i, b in enumerate((GPU0, GPU1))]
-    plat = doctor.platform_report(sys_root, proc_root, gpus, LSPCI_ACS_ON)
+    plat = findings.platform_report(sys_root, proc_root, gpus, LSPCI_ACS_ON)
     warnings = {f["area"] for f in plat["findings"] if f["severity"] == "warning"}
     assert warnings == {"iommu", "acs", "bar", "numa", "amdgpu"}
     assert all(f["fix"] for f in plat["findings"] if f["severity"] == "warning")
@@ -223,12 +224,12 @@ GPU[0]          : (Topology) Numa Node: 0
 
 
 def test_parse_link_matrix_of_nvidia_smi_and_rocm_smi():
-    assert doctor.parse_link_matrix(NVIDIA_TOPO) == [[None, "NV18"], ["NV18", None]]
-    assert doctor.parse_link_matrix(ROCM_TOPO, "Link Type") == [[None, "PCIE"], ["PCIE", None]]
-    assert doctor.parse_link_matrix(ROCM_TOPO, "no such table") is None
-    assert doctor.parse_link_matrix("No devices were found\n") is None
+    assert findings.parse_link_matrix(NVIDIA_TOPO) == [[None, "NV18"], ["NV18", None]]
+    assert findings.parse_link_matrix(ROCM_TOPO, "Link Type") == [[None, "PCIE"], ["PCIE", None]]
+    assert findings.parse_link_matrix(ROCM_TOPO, "no such table") is None
+    assert findings.parse_link_matrix("No devices were found\n") is None
     one_gpu = "\t\x1b[4mGPU0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m\nGPU0\t X \t0-15\t0\t\tN/A\n"
-    assert doctor.parse_link_matrix(one_gpu) == [[None]]  # nvidia-smi topo -m on one H200
+    assert findings.parse_link_matrix(one_gpu) == [[None]]  # nvidia-smi topo -m on one H200
 
 
 def test_gpu_bus_id_and_architecture_from_device_properties(monkeypatch):
@@ -236,19 +237,19 @@ def test_gpu_bus_id_and_architecture_from_device_properties(monkeypatch):
         name, major, minor, gcnArchName = "NVIDIA H200", 9, 0, "NVIDIA H200"
         pci_domain_id, pci_bus_id, pci_device_id = 0, 0, 6
 
-    assert doctor.gpu_bus_id(Props) == "0000:00:06.0"
+    assert findings.gpu_bus_id(Props) == "0000:00:06.0"
     monkeypatch.setattr(doctor.torch.version, "hip", None)
-    assert doctor.gpu_architecture(Props) == "sm_90"
+    assert findings.gpu_architecture(Props) == "sm_90"
     monkeypatch.setattr(doctor.torch.version, "hip", "6.4.43482")
     Props.gcnArchName = "gfx1201:sramecc-:xnack-"
-    assert doctor.gpu_architecture(Props) == "gfx1201"
+    assert findings.gpu_architecture(Props) == "gfx1201"
     del Props.pci_domain_id
-    assert doctor.gpu_bus_id(Props) is None
+    assert findings.gpu_bus_id(Props) is None
 
 
 def test_peer_findings():
-    assert doctor.peer_findings([[None, True], [True, None]]) == []
-    [f] = doctor.peer_findings([[None, False], [True, None]])
+    assert findings.peer_findings([[None, True], [True, None]]) == []
+    [f] = findings.peer_findings([[None, False], [True, None]])
     assert "GPU0->GPU1" in f["what"] and f["severity"] == "warning"
 
 
@@ -270,7 +271,7 @@ def gpu_report(pair_ok=True, transport="gpu", verdict_error=None) -> dict:
         "peer_access": [[None, True], [True, None]],
         "links": {"tool": "rocm-smi --showtopo", "matrix": [[None, "PCIE"], ["PCIE", None]]},
         "pairs": [{"ranks": [0, 1], "gpus": [0, 1], **(good if pair_ok else bad)}], "pairs_skipped": None,
-        "platform": {"findings": [doctor.finding("iommu", "warning", "the IOMMU translates DMA", doctor.FIX_IOMMU)]},
+        "platform": {"findings": [findings.finding("iommu", "warning", "the IOMMU translates DMA", findings.FIX_IOMMU)]},
         "verdict": {"transport": transport, "reason": "every rank has its own GPU", "all_reduce": "bitwise equal",
                     "error": verdict_error, "world": 2, "ranks_on": "GPUs 0,1"},
     }

@@ -1,8 +1,8 @@
 """What the benchmarks and the demo time: each rdna4_comm op next to its
 torch.distributed equivalent on the same inputs, as
-:class:`~rdna4_comm._bench.timing.Op` lists for
-:func:`~rdna4_comm._bench.timing.measure`, with the check every result passes
-before it is timed. Inputs come from :func:`~rdna4_comm._bench.checks.pattern`.
+:class:`~rdna4_comm._timing.Op` lists for
+:func:`~rdna4_comm._timing.measure`, with the check every result passes
+before it is timed. Inputs come from :func:`~rdna4_comm._checks.pattern`.
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 from .. import reference
 from ..communicator import Communicator
-from .checks import assert_dispatched, assert_same, pattern
-from .timing import Op, Stats
-from .world import BenchRank
+from .._checks import allreduce_case, assert_dispatched, assert_same, pattern
+from .._timing import Op, Stats
+from .._ranks import RankContext
 
 # torch 2.13 renamed these two (the old names warn); older versions have only the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -29,7 +29,6 @@ EP_EXPERTS = 256
 # first columns only (all rows, all routing), and every column is still checked
 # through an exact identity of the round trip. 2^26 takes about 2 s.
 EP_CHECK_BUDGET = 1 << 26
-ALLREDUCE_BITS = 16  # fp32: 16-bit values, sums over 32 ranks stay within 24 bits
 EP_BITS = 4  # bf16/fp16: |value| <= 8, sums over 32 ranks stay within 8 bits
 
 
@@ -55,21 +54,6 @@ def record(op: str, tokens: int, hidden: int, dtype: torch.dtype, ops: list[Op],
 # -------------------------------------------------------------- all_reduce
 
 
-def allreduce_case(rank: int, world: int, tokens: int, hidden: int, device) -> tuple[torch.Tensor, Callable]:
-    """Rank ``rank``'s [tokens, hidden] fp32 all_reduce input on ``device`` and
-    the check of a result: bitwise equal to rdna4_comm.reference.all_reduce of
-    every rank's input."""
-    xs = [pattern(r, tokens, hidden, torch.float32, device, bits=ALLREDUCE_BITS) for r in range(world)]
-    x, expected = xs[rank], reference.all_reduce(xs)
-    del xs
-    what = f"all_reduce [{tokens}, {hidden}] fp32"
-
-    def check(out):
-        assert_same(out, expected, f"{what} vs rdna4_comm.reference.all_reduce")
-
-    return x, check
-
-
 def rdna4_allreduce_op(comm: Communicator, x: torch.Tensor, check: Callable, backend: str = "rdna4_comm") -> Op:
     """rdna4_comm's all_reduce of ``x`` (out of place), checked by ``check``,
     timed as ``backend``."""
@@ -77,7 +61,7 @@ def rdna4_allreduce_op(comm: Communicator, x: torch.Tensor, check: Callable, bac
               detail=f"rdna4_comm.all_reduce, out of place, transport {comm.transport!r}")
 
 
-def allreduce_ops(ctx: BenchRank, comm: Communicator, tokens: int, hidden: int,
+def allreduce_ops(ctx: RankContext, comm: Communicator, tokens: int, hidden: int,
                   symm: Optional["SymmMemOneShot"] = None, dist_comm: Optional[Communicator] = None) -> list[Op]:
     """fp32 sum of a [tokens, hidden] tensor over the ranks: rdna4_comm
     (out of place: copies the input in, returns a new tensor) against
@@ -113,7 +97,7 @@ class SymmMemOneShot:
         self.buf, self.group_name = buf, group_name
 
     @classmethod
-    def create(cls, ctx: BenchRank, max_numel: int) -> Optional["SymmMemOneShot"]:
+    def create(cls, ctx: RankContext, max_numel: int) -> Optional["SymmMemOneShot"]:
         """Collective. None, with a note, where torch lacks it or it fails to set up."""
         error = None
         try:
@@ -154,7 +138,7 @@ def ep_routing(rank: int, tokens: int, topk: int, num_experts: int, seed: int):
     return idx, torch.rand(tokens, topk, generator=g)
 
 
-def _reduce_scatter_fn(ctx: BenchRank, tokens: int):
+def _reduce_scatter_fn(ctx: RankContext, tokens: int):
     """(fn(out, inp), description) for the baseline's reduce-scatter of [W*T, H]
     into [T, H]: reduce_scatter_tensor, or, where the group lacks it (gloo in
     some torch versions), an all_reduce of the whole tensor and this rank's slice."""
@@ -170,7 +154,7 @@ def _reduce_scatter_fn(ctx: BenchRank, tokens: int):
     return (lambda out, inp: _reduce_scatter(out, inp, group=ctx.group)), "reduce_scatter_tensor"
 
 
-def ep_ops(ctx: BenchRank, comm: Communicator, tokens: int, seed: int = 0) -> list[Op]:
+def ep_ops(ctx: RankContext, comm: Communicator, tokens: int, seed: int = 0) -> list[Op]:
     """One MoE layer's communication for ``tokens`` tokens per rank, with the
     communicator's hidden size, top-k, experts and dtype, and fp32 weights;
     the expert step is left out (identity: the received rows go straight back).
@@ -245,41 +229,7 @@ def ep_ops(ctx: BenchRank, comm: Communicator, tokens: int, seed: int = 0) -> li
 FUSED_EPS = 1e-6
 
 
-def ieee_normalised(r32: torch.Tensor, eps: float) -> torch.Tensor:
-    """``r32 * (1 / sqrt(mean(r32**2, -1) + eps))`` as the kernels compute it
-    (``rmsnorm_inv_rms`` in csrc/protocol.h): the squares summed in float64
-    and the mean rounded once to float32, then every step one correctly
-    rounded float32 operation. Each step runs in float64 and is rounded to
-    float32 (exact for a product, correctly rounded for a sum, quotient or
-    square root of float32 values), because torch's float32 sqrt and rsqrt
-    on the CPU are not always correctly rounded."""
-    f32 = torch.float32
-    mean = (r32.double().pow(2).sum(-1, keepdim=True) / r32.shape[-1]).to(f32)
-    shifted = (mean.double() + torch.tensor(eps, dtype=f32).double()).to(f32)
-    inv = (1.0 / shifted.double().sqrt().to(f32).double()).to(f32)
-    return (r32.double() * inv.double()).to(f32)
-
-
-def assert_rmsnorm_within_contract(out: torch.Tensor, residual_out: torch.Tensor, weight: torch.Tensor,
-                                   eps: float, what: str = "all_reduce_rmsnorm") -> None:
-    """Raise AssertionError unless ``out`` is what the contract allows for
-    this ``residual_out`` (docs/semantics.md, section 8): the torch
-    composition except for the reduction order of the mean, i.e. the
-    normalised value before the weight multiply within 1 ulp of the dtype of
-    the one IEEE fp32 arithmetic gives from an accurately summed mean
-    (:func:`ieee_normalised`). The tests use it too."""
-    out, residual_out, weight = (t.detach().cpu() for t in (out, residual_out, weight))
-    dtype = out.dtype
-    expected = reference.rms_norm(residual_out, weight, eps)
-    normalised = ieee_normalised(residual_out.float(), eps).to(dtype)
-    ok = torch.isnan(out) & torch.isnan(expected)
-    for towards in (None, float("inf"), float("-inf")):
-        n = normalised if towards is None else torch.nextafter(normalised, torch.full_like(normalised, towards))
-        ok |= (weight.float() * n.float()).to(dtype) == out
-    assert bool(ok.all()), f"{what}: {int((~ok).sum())} elements beyond 1 ulp of the normalised value"
-
-
-def fused_ops(ctx: BenchRank, comm: Communicator, tokens: int, hidden: int, dtype: torch.dtype = torch.bfloat16) -> list[Op]:
+def fused_ops(ctx: RankContext, comm: Communicator, tokens: int, hidden: int, dtype: torch.dtype = torch.bfloat16) -> list[Op]:
     """all_reduce + residual add + RMSNorm of [tokens, hidden] partial sums:
     rdna4_comm.all_reduce_rmsnorm against the same three steps unfused, once
     over torch.distributed.all_reduce (in place) and once over rdna4_comm's
@@ -297,7 +247,7 @@ def fused_ops(ctx: BenchRank, comm: Communicator, tokens: int, hidden: int, dtyp
     def check(result):
         out, residual_out = result
         assert_same(residual_out, expected_residual, f"{what} residual_out vs rdna4_comm.reference")
-        assert_rmsnorm_within_contract(out, residual_out, weight, FUSED_EPS, what)
+        reference.assert_rmsnorm_within_contract(out, residual_out, weight, FUSED_EPS, what)
 
     def unfused(summed):
         r = summed + residual

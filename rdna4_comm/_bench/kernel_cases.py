@@ -1,9 +1,9 @@
 """The ops of benchmarks/bench_kernels.py's rows (its docstring says what each
-row times), in a world of one rank (:class:`~rdna4_comm._bench.world.OneRank`):
+row times), in a world of one rank (a world of one: :func:`rdna4_comm._ranks.one_rank`):
 :class:`Cases` builds the communicators, inputs and ops, each op a
 :class:`KOp` with the check its result passes before it is timed.
 
-Inputs: x [T, H] bf16 (:func:`~rdna4_comm._bench.checks.pattern`), topk_idx
+Inputs: x [T, H] bf16 (:func:`~rdna4_comm._checks.pattern`), topk_idx
 [T, 8] int64 and topk_weights [T, 8] bf16 (top-8 of 256 experts, distinct and
 uniform per token: :func:`~rdna4_comm._bench.cases.ep_routing`). Checks are
 bitwise, against rdna4_comm.reference.
@@ -19,8 +19,8 @@ import torch.distributed as dist
 from .. import reference
 from ..communicator import Communicator
 from .cases import EP_BITS, EP_EXPERTS, EP_TOPK, ep_routing
-from .checks import assert_dispatched, assert_same, pattern
-from .world import OneRank
+from .._checks import assert_dispatched, assert_same, pattern
+from .._ranks import RankContext
 
 DTYPE = torch.bfloat16
 SEED = 0
@@ -63,7 +63,7 @@ def ep_inputs(tokens: int, hidden: int, device) -> tuple:
 
 def check_dispatched(d, x, idx, w, cap: int, what: str):
     """Raise unless ``d`` (a Dispatched) is what rdna4_comm.reference.dispatch
-    gives for this one rank (rdna4_comm._bench.checks.assert_dispatched:
+    gives for this one rank (rdna4_comm._checks.assert_dispatched:
     counts; rows [0, counts.sum()) of x [cap, H] bf16, the rows after them
     being padding, unspecified; topk_idx [cap, 8] int64 with -1 padding and
     topk_weights [cap, 8] bf16 with 0 padding, whole; every handle field).
@@ -84,7 +84,7 @@ class Cases:
     """The communicators, inputs and ops of every row (see the module
     docstring), on ``rank``'s device; :meth:`check_all` checks them."""
 
-    def __init__(self, rank: OneRank, shapes: Shapes):
+    def __init__(self, rank: RankContext, shapes: Shapes):
         self.rank, self.shapes = rank, shapes
         dev = rank.device
         (tl, hl), (ts, hs), (tm, hm), (td, hd) = shapes.large, shapes.small, shapes.medium, shapes.decode

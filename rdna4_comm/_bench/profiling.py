@@ -8,7 +8,7 @@
   (the launching ops found through the profiler's correlation ids, else by
   time). On CPUs: the wall clock of each call (``time.perf_counter``).
 - Graph replay (GPU): each op captured in a torch.cuda.CUDAGraph
-  (rdna4_comm._bench.timing's clock: eager warm-up on a side stream first),
+  (rdna4_comm._timing's clock: eager warm-up on a side stream first),
   each replay between CUDA events.
 - Host time: ``time.perf_counter`` around a block of back-to-back eager
   calls, no synchronisation inside it; the block's time / calls. On the GPU
@@ -26,8 +26,8 @@ from typing import Any, Callable
 
 import torch
 
-from .timing import _GpuClock
-from .world import OneRank
+from .._timing import _GpuClock
+from .._ranks import RankContext
 
 # The prefix of the record_function ranges Timer opens around each call.
 ANNOTATION = "rdna4_comm/bench_kernels:"
@@ -80,10 +80,10 @@ def attribute_device_events(events, annotation: str = ANNOTATION) -> dict[str, l
 class Timer:
     """Device and host times of ops on ``rank``'s device (see the module
     docstring); ``rank`` has ``device`` (a torch.device) and ``sync()`` (e.g.
-    :class:`~rdna4_comm._bench.world.OneRank`). An op is a callable that takes
+    a world of one: :func:`rdna4_comm._ranks.one_rank`). An op is a callable that takes
     no argument; its result is not read, except by :meth:`graph_times`."""
 
-    def __init__(self, rank: OneRank):
+    def __init__(self, rank: RankContext):
         self.rank = rank
         self.gpu = rank.device.type == "cuda"
         self.kernels: dict[str, list] = {}  # per op: its calls' [(name, kind, us)] on the GPU

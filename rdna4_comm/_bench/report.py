@@ -3,44 +3,22 @@ side-by-side table, the speedup summary and the speedup heatmap.
 
 A configuration record (:func:`~rdna4_comm._bench.cases.record`) is a dict
 with "op", "tokens", "hidden", "dtype", "bytes", "stats" ({backend:
-:class:`~rdna4_comm._bench.timing.Stats`}) and "details" ({backend: what was
+:class:`~rdna4_comm._timing.Stats`}) and "details" ({backend: what was
 timed}). The speedup of rdna4_comm over a baseline is :func:`speedup`.
 """
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
-from .timing import Stats
+from .._timing import Stats, format_table
 
 
 def speedup(stats: dict[str, Stats], backend: str) -> float:
     """rdna4_comm's speedup over ``backend`` in one configuration: its p50 /
     rdna4_comm's p50 (> 1: rdna4_comm is faster; 1.0 for rdna4_comm itself)."""
     return stats[backend].p50_us / stats["rdna4_comm"].p50_us
-
-
-def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A plain-text table: numeric columns right-aligned, floats with 2 decimals
-    below 100 and none above, NaN as "-"."""
-
-    def cell(v) -> str:
-        if isinstance(v, float):
-            if math.isnan(v):
-                return "-"
-            return f"{v:.2f}" if abs(v) < 100 else f"{v:.0f}"
-        return str(v)
-
-    cells = [list(header)] + [[cell(v) for v in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    numeric = [all(isinstance(row[i], (int, float)) for row in rows) for i in range(len(header))]
-    lines = []
-    for n, r in enumerate(cells):
-        lines.append("  ".join(c.rjust(w) if numeric[i] else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def comparison_table(records: Sequence[dict]) -> str:

@@ -1,4 +1,5 @@
-"""How the benchmarks and the demo time an op: :func:`measure`.
+"""How the benchmarks, the demo and the doctor time an op (:func:`measure`)
+and print results (:func:`format_table`).
 
 Every op is checked before it is timed. A sample is one call on every rank
 (GPU: one CUDA-graph replay timed with CUDA events; CPU: one eager call timed
@@ -9,6 +10,7 @@ always runs first.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -16,7 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .world import BenchRank, CheckFailed
+from ._ranks import CheckFailed, RankContext
 
 # Eager calls before a CUDA graph is captured (NCCL and lazy inits happen here).
 GPU_WARMUP_CALLS = 3
@@ -132,7 +134,7 @@ class _GpuClock:
         self.graphs.clear()
 
 
-def _block(ctx: BenchRank, clock, runner, samples: int) -> list[float]:
+def _block(ctx: RankContext, clock, runner, samples: int) -> list[float]:
     """``samples`` back-to-back calls of ``runner``, each timed on this rank (us)."""
     clock.sync()
     dist.barrier(group=ctx.cpu_group)
@@ -147,7 +149,7 @@ def _block(ctx: BenchRank, clock, runner, samples: int) -> list[float]:
     return [clock.elapsed_us(a, b) for a, b in marks]
 
 
-def measure(ctx: BenchRank, ops: Sequence[Op], *, rounds: int, samples: int) -> dict[str, Stats]:
+def measure(ctx: RankContext, ops: Sequence[Op], *, rounds: int, samples: int) -> dict[str, Stats]:
     """Check, then time, each op of ``ops`` side by side. Collective.
 
     Each op is first prepared (GPU: warmed up eagerly on a side stream, then
@@ -195,3 +197,25 @@ def measure(ctx: BenchRank, ops: Sequence[Op], *, rounds: int, samples: int) -> 
         return {b: Stats.of(v) for b, v in values.items()}
     finally:
         clock.close()
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain-text table: numeric columns right-aligned, floats with 2 decimals
+    below 100 and none above, NaN as "-"."""
+
+    def cell(v) -> str:
+        if isinstance(v, float):
+            if math.isnan(v):
+                return "-"
+            return f"{v:.2f}" if abs(v) < 100 else f"{v:.0f}"
+        return str(v)
+
+    cells = [list(header)] + [[cell(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    numeric = [all(isinstance(row[i], (int, float)) for row in rows) for i in range(len(header))]
+    lines = []
+    for n, r in enumerate(cells):
+        lines.append("  ".join(c.rjust(w) if numeric[i] else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)

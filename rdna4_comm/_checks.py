@@ -1,5 +1,5 @@
 """Inputs whose results can be checked exactly, and the exact checks; used by
-the benchmarks, the demo and the tests.
+the benchmarks, the demo, the doctor and the tests.
 
 :func:`pattern` makes small signed integers times a power of two, each a hash
 of (rank, row, column). Sums of them over up to 32 ranks are exact in their
@@ -9,9 +9,14 @@ some columns of them) without communication.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+
+from . import reference
+
+# fp32 all_reduce inputs: 16-bit values, sums over 32 ranks stay within 24 bits.
+ALLREDUCE_BITS = 16
 
 # The fields of a DispatchHandle that say where each row goes and comes from.
 HANDLE_FIELDS = ("recv_src", "counts", "src_tokens", "send_mask")
@@ -83,3 +88,18 @@ def assert_dispatched(actual, expected, what: str = "", cols: Optional[int] = No
         assert_same(actual.topk_weights, expected.topk_weights, f"{what} topk_weights")
     for field in HANDLE_FIELDS:
         assert_same(getattr(actual.handle, field), getattr(expected.handle, field), f"{what} handle.{field}")
+
+
+def allreduce_case(rank: int, world: int, tokens: int, hidden: int, device) -> tuple[torch.Tensor, Callable]:
+    """Rank ``rank``'s [tokens, hidden] fp32 all_reduce input on ``device`` and
+    the check of a result: bitwise equal to rdna4_comm.reference.all_reduce of
+    every rank's input."""
+    xs = [pattern(r, tokens, hidden, torch.float32, device, bits=ALLREDUCE_BITS) for r in range(world)]
+    x, expected = xs[rank], reference.all_reduce(xs)
+    del xs
+    what = f"all_reduce [{tokens}, {hidden}] fp32"
+
+    def check(out):
+        assert_same(out, expected, f"{what} vs rdna4_comm.reference.all_reduce")
+
+    return x, check
