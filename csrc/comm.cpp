@@ -394,12 +394,17 @@ void register_comm(std::shared_ptr<Comm> comm) {
               "' is already registered");
 }
 
-std::shared_ptr<Comm> find_comm(const std::string& id) {
+std::shared_ptr<Comm> lookup_comm(const std::string& id) {
   std::lock_guard<std::mutex> g(registry_mutex());
   auto it = registry().find(id);
-  TORCH_CHECK_VALUE(it != registry().end(), "rdna4_comm: no open communicator with id '", id,
+  return it == registry().end() ? nullptr : it->second;
+}
+
+std::shared_ptr<Comm> find_comm(const std::string& id) {
+  auto c = lookup_comm(id);
+  TORCH_CHECK_VALUE(c, "rdna4_comm: no open communicator with id '", id,
                     "' in this process (it was closed, or never created here)");
-  return it->second;
+  return c;
 }
 
 void remove_comm(const std::string& id) {

@@ -164,7 +164,8 @@ class Comm {
 };
 
 void register_comm(std::shared_ptr<Comm> comm);
-std::shared_ptr<Comm> find_comm(const std::string& id);
+std::shared_ptr<Comm> find_comm(const std::string& id);  // raises when there is none
+std::shared_ptr<Comm> lookup_comm(const std::string& id);  // nullptr when there is none
 void remove_comm(const std::string& id);
 
 std::shared_ptr<Comm> make_cpu_comm(CommConfig cfg);

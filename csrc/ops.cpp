@@ -151,6 +151,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("connect", &connect, "Open every rank's heap from the gathered export handles");
   m.def("finish", &finish, "Finish bootstrap after a group barrier (unlink, P2P probe)");
   m.def("destroy", &remove_comm, "Release this rank's communicator");
+  // The fakes' (rdna4_comm/ops.py) view of a communicator: its configuration
+  // (the output shapes) and device, or None once it is closed.
+  m.def("comm_config", [](const std::string& id) -> py::object {
+    auto c = lookup_comm(id);
+    if (!c) return py::none();
+    return py::make_tuple(c->config(), c->device());
+  }, py::arg("id"));
   m.def("check", &check, "Raise if an earlier op of the communicator failed");
   m.def("watch_peers", &watch_peers, "Watch the peers' processes: [(rank, pid, start_time)]");
   m.def("process_start_time", &process_start_time, py::arg("pid"),

@@ -115,9 +115,8 @@ RC_HD int64_t ep_num_chunks(int64_t ntok) { return ep_chunks(ntok, ep_chunk_toke
 // chunking: min(cap, 128). (Not ep_num_chunks(cap), which is not monotone:
 // 200 tokens make 100 chunks of 2, 257 tokens 86 chunks of 3.)
 RC_HD int64_t ep_max_chunks(int64_t cap) { return cap < kEpTargetChunks ? (cap < 1 ? 1 : cap) : kEpTargetChunks; }
-// Tokens per rank on the GPU transport: a row index of the received rows
-// (W * cap of them) fits the 22 bits a bad-handle word has for it
-// (encode_bad_handle).
+// Tokens per rank on the GPU transport: a received row's index (of W * cap)
+// fits the 22 bits a bad-handle word has for it (encode_bad_handle).
 constexpr int64_t kMaxGpuTokensPerRank = int64_t(1) << 18;
 
 // all_reduce algorithm predicate. One-shot: every rank pushes its whole

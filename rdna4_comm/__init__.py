@@ -9,14 +9,9 @@
 """
 from . import ops as _ops  # noqa: F401  (schemas and fakes)
 from . import reference
-from .communicator import (
-    Communicator,
-    DispatchHandle,
-    Dispatched,
-    all_reduce_rmsnorm_algorithm,
-    all_reduce_rmsnorm_row_in_registers,
-    allreduce_algorithm,
-)
+from .algorithms import all_reduce_rmsnorm_algorithm, all_reduce_rmsnorm_row_in_registers, allreduce_algorithm
+from .communicator import Communicator
+from .results import DispatchHandle, Dispatched
 from .ops import mark_dynamic_tokens
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""The public API: :class:`Communicator` and the tuples its ops return."""
+"""The public API: :class:`Communicator` (what its ops return: rdna4_comm.results;
+which algorithm they take: rdna4_comm.algorithms)."""
 from __future__ import annotations
 
 import itertools
@@ -7,7 +8,7 @@ import os
 import warnings
 import weakref
 from datetime import timedelta
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -15,8 +16,10 @@ import torch.distributed.distributed_c10d as c10d
 
 from . import _C
 from ._rendezvous import Rendezvous
+from .algorithms import DEFAULT_ALLREDUCE_SLOT_BYTES
+from .results import DispatchHandle, Dispatched
 from .transport_policy import RankReport, TransportChoice, choose_transport, host_identity, rank_report, shared_gpus_allowed
-from .ops import order_token, register_config, unregister_config
+from .ops import order_token
 
 EP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Long enough for one rank to compile a model cold while its peers already
@@ -24,10 +27,6 @@ EP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # process exits is noticed within kLivenessPeriodMs whatever this bound is.
 DEFAULT_TIMEOUT_MS = 300_000
 DIST_SETUP_MS = 30_000
-# all_reduce inbox per (parity, source rank). One-shot chunks are at most one
-# slot; two-shot chunks at most world_size slots. Larger tensors are chunked.
-# "dist" has no heap: the slot only bounds the temporaries of a chunk.
-DEFAULT_ALLREDUCE_SLOT_BYTES = {"cpu": 1 << 20, "gpu": 16 << 20, "dist": 16 << 20}
 TRANSPORTS = ("auto", "gpu", "cpu", "dist")
 TRANSPORT_ENV = "RDNA4_COMM_TRANSPORT"
 
@@ -35,52 +34,6 @@ _ids = itertools.count()
 # The ops' packet; the methods call its .default overloads directly (no
 # overload resolution per call).
 _OPS = torch.ops.rdna4_comm
-
-
-class DispatchHandle(NamedTuple):
-    """What :meth:`Communicator.combine` needs from a dispatch. Self-contained:
-    it holds no reference to the heap, so handles of several dispatches can be
-    combined in any order.
-
-    - ``recv_src``: [W*cap] int32, for each received row ``src_rank * cap + src_token``, -1 for padding.
-    - ``counts``: [W] int32, rows received from each source rank.
-    - ``src_tokens``: [W] int32, T of each source rank.
-    - ``send_mask``: [T] int32, bit ``d`` set when the local token was sent to rank ``d``.
-    - ``comm_id``: the communicator that made it.
-    - ``token_shape``: the leading dimensions of dispatch's ``x`` (``x.shape[:-1]``),
-      which combine's result takes.
-    """
-
-    recv_src: torch.Tensor
-    counts: torch.Tensor
-    src_tokens: torch.Tensor
-    send_mask: torch.Tensor
-    comm_id: str
-    token_shape: tuple
-
-
-class Dispatched(NamedTuple):
-    """Result of :meth:`Communicator.dispatch` on the receiving rank.
-
-    - ``x``: [W*cap, H] of the communicator dtype. Rows ``[0, num_recv)`` are
-      valid, grouped by source rank ascending, within a source by source token
-      ascending; later rows are zero padding.
-    - ``topk_idx``: [W*cap, K] in the dtype of the ids given (int32 or int64),
-      the local expert id (global id minus ``rank * num_experts / W``) where the
-      slot's expert lives on this rank, else -1. Padding rows are all -1.
-    - ``topk_weights``: [W*cap, K] in the dtype of the weights given (float32,
-      bfloat16 or float16), 0 where ``topk_idx`` is -1; None when dispatch got
-      no weights.
-    - ``counts``: [W] int32 on the op's device, rows received from each source;
-      ``num_recv = counts.sum()``.
-    - ``handle``: :class:`DispatchHandle` for :meth:`Communicator.combine`.
-    """
-
-    x: torch.Tensor
-    topk_idx: torch.Tensor
-    topk_weights: Optional[torch.Tensor]
-    counts: torch.Tensor
-    handle: DispatchHandle
 
 
 def _positive_int(name: str, value) -> int:
@@ -272,7 +225,6 @@ class Communicator:
             warnings.warn(f"rdna4_comm: Communicator on rank {self.rank} uses transport 'dist' (torch.distributed "
                           f"collectives, slower than peer-to-peer memory): {choice.reason}", stacklevel=2)
         _C.watch_peers(self.id, [(r, *p) for r, p in enumerate(rendezvous.processes) if p is not None])
-        register_config(config, self.device)
 
     def _own_group(self, backend: str, timeout: timedelta, rendezvous: Rendezvous) -> dist.ProcessGroup:
         """A new process group of the ranks of ``group`` (collective over them).
@@ -500,36 +452,7 @@ class Communicator:
 
 
 def _release(comm_id: str, dist_group: Optional[dist.ProcessGroup]) -> None:
-    unregister_config(comm_id)
     _C.destroy(comm_id)
     # After the process group is destroyed (at exit, say), its subgroups are gone too.
     if dist_group is not None and dist.is_initialized():
         dist.destroy_process_group(dist_group)
-
-
-def allreduce_algorithm(nbytes: int, world_size: int, transport: str) -> str:
-    """The all_reduce path for a tensor of ``nbytes``: "one_shot" or "two_shot"
-    (the predicate the C++ ops use, see csrc/protocol.h)."""
-    return "one_shot" if _C.allreduce_use_one_shot(nbytes, world_size, transport == "gpu") else "two_shot"
-
-
-def all_reduce_rmsnorm_algorithm(
-    tokens: int, hidden: int, dtype: torch.dtype, world_size: int, transport: str,
-    allreduce_slot_bytes: Optional[int] = None,
-) -> str:
-    """The path :meth:`Communicator.all_reduce_rmsnorm` takes for ``tokens``
-    rows of ``hidden`` elements: "one_stage", "two_stage", or
-    "all_reduce_then_norm" when a row does not fit the communicator's
-    all_reduce slot (``allreduce_slot_bytes``, default the transport's). The
-    predicate the C++ op itself uses (csrc/protocol.h, rmsnorm_path)."""
-    slot = DEFAULT_ALLREDUCE_SLOT_BYTES[transport] if allreduce_slot_bytes is None else allreduce_slot_bytes
-    elt = torch.empty((), dtype=dtype).element_size()
-    return _C.rmsnorm_path(tokens, hidden, elt, world_size, transport == "gpu", _C.aligned_slot_bytes(slot))
-
-
-def all_reduce_rmsnorm_row_in_registers(hidden: int, dtype: torch.dtype) -> bool:
-    """Whether the GPU kernel keeps a row of ``hidden`` elements in registers
-    (its fast path: whole 16-byte vectors, at most
-    ``_C.rmsnorm_register_row_elems(element size)`` elements); other rows are
-    re-read from residual_out. Same result either way."""
-    return _C.rmsnorm_row_in_registers(hidden, torch.empty((), dtype=dtype).element_size())

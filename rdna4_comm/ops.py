@@ -1,5 +1,6 @@
-"""torch.ops.rdna4_comm.*: fake (meta) implementations, the per-process table
-of communicator shapes they read, and the ordering token every op takes.
+"""torch.ops.rdna4_comm.*: fake (meta) implementations, which ask the C++
+communicator (rdna4_comm._C.comm_config) for its shapes, and the ordering
+token every op takes.
 
 The schemas and the real CPU/CUDA implementations are registered by the C++
 extension (csrc/ops.cpp). Output shapes never depend on data: dispatch returns
@@ -18,12 +19,9 @@ import math
 
 import torch
 
-from . import _C  # noqa: F401  (loads the schemas into torch.ops.rdna4_comm)
+from . import _C  # also loads the schemas into torch.ops.rdna4_comm
 
 
-# What the fakes know of each open communicator of this process: its
-# configuration (world, cap, hidden, topk, dtype: the output shapes) and device.
-_CONFIGS: dict[str, tuple] = {}
 _ORDER_TOKENS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -56,24 +54,16 @@ def mark_dynamic_tokens(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return x
 
 
-def register_config(config, device: torch.device) -> None:
-    _CONFIGS[config.id] = (config, device)
-
-
-def unregister_config(comm_id: str) -> None:
-    _CONFIGS.pop(comm_id, None)
-
-
 def _config_of(comm_id: str, op: str, **tensors):
     """The communicator's configuration (an rdna4_comm._C.CommConfig), after
     checking that every tensor is on its device."""
-    try:
-        s, device = _CONFIGS[comm_id]
-    except KeyError:
+    found = _C.comm_config(comm_id)
+    if found is None:
         raise ValueError(
             f"rdna4_comm: no open communicator with id {comm_id!r} in this process "
             "(it was closed, or never created here)"
-        ) from None
+        )
+    s, device = found
     # The C++ ops check everything else; a call with a tensor on another
     # device (meta included) reaches this fake instead of them.
     for arg, t in tensors.items():
