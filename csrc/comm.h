@@ -17,9 +17,10 @@
 namespace rdna4_comm {
 
 // Everything a communicator is made of: the heap's sizes (HeapConfig, what
-// the layout derives from) and the rest. Bound to Python once (_C.CommConfig)
-// and filled in by Communicator.__init__, which validates it; the C++ side
-// validates the ops' arguments.
+// the layout derives from) and the rest. Built once, with keywords, by the
+// Python Communicator (_C.CommConfig, which validates the values first) and
+// read-only after; the C++ side validates the ops' arguments and answers the
+// fakes' questions about shapes (_C.comm_config).
 struct CommConfig : HeapConfig {
   std::string id;
   std::string transport;  // "cpu", "gpu" or "dist"

@@ -132,21 +132,44 @@ TORCH_LIBRARY_IMPL(rdna4_comm, CUDA, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace rdna4_comm;
   m.doc() = "rdna4_comm C++ core: communicator bootstrap, limits and the all_reduce predicate";
-  py::class_<CommConfig>(m, "CommConfig", "What a communicator is made of (filled in and validated by Communicator)")
-      .def(py::init<>())
-      .def_readwrite("id", &CommConfig::id)
-      .def_readwrite("transport", &CommConfig::transport)
-      .def_readwrite("group_name", &CommConfig::group_name)
-      .def_readwrite("rank", &CommConfig::rank)
-      .def_readwrite("world", &CommConfig::world)
-      .def_readwrite("cap", &CommConfig::cap)
-      .def_readwrite("hidden", &CommConfig::hidden)
-      .def_readwrite("topk", &CommConfig::topk)
-      .def_readwrite("num_experts", &CommConfig::num_experts)
-      .def_readwrite("dtype", &CommConfig::dtype)
-      .def_readwrite("ar_slot_bytes", &CommConfig::ar_slot_bytes)
-      .def_readwrite("timeout_ms", &CommConfig::timeout_ms)
-      .def_readwrite("device_index", &CommConfig::device_index);
+  // Built once, with keywords, by Communicator (which validates the values);
+  // read-only after that: the C++ communicator owns it.
+  py::class_<CommConfig>(m, "CommConfig", "What a communicator is made of")
+      .def(py::init([](std::string id, std::string transport, std::string group_name, int rank, int world,
+                       int64_t cap, int64_t hidden, int64_t topk, int64_t num_experts, at::ScalarType dtype,
+                       int64_t ar_slot_bytes, int64_t timeout_ms, int device_index) {
+             CommConfig c;
+             c.id = std::move(id);
+             c.transport = std::move(transport);
+             c.group_name = std::move(group_name);
+             c.rank = rank;
+             c.world = world;
+             c.cap = cap;
+             c.hidden = hidden;
+             c.topk = topk;
+             c.num_experts = num_experts;
+             c.dtype = dtype;
+             c.ar_slot_bytes = ar_slot_bytes;
+             c.timeout_ms = timeout_ms;
+             c.device_index = device_index;
+             return c;
+           }),
+           py::kw_only(), py::arg("id"), py::arg("transport"), py::arg("group_name"), py::arg("rank"),
+           py::arg("world"), py::arg("cap"), py::arg("hidden"), py::arg("topk"), py::arg("num_experts"),
+           py::arg("dtype"), py::arg("ar_slot_bytes"), py::arg("timeout_ms"), py::arg("device_index"))
+      .def_readonly("id", &CommConfig::id)
+      .def_readonly("transport", &CommConfig::transport)
+      .def_readonly("group_name", &CommConfig::group_name)
+      .def_readonly("rank", &CommConfig::rank)
+      .def_readonly("world", &CommConfig::world)
+      .def_readonly("cap", &CommConfig::cap)
+      .def_readonly("hidden", &CommConfig::hidden)
+      .def_readonly("topk", &CommConfig::topk)
+      .def_readonly("num_experts", &CommConfig::num_experts)
+      .def_readonly("dtype", &CommConfig::dtype)
+      .def_readonly("ar_slot_bytes", &CommConfig::ar_slot_bytes)
+      .def_readonly("timeout_ms", &CommConfig::timeout_ms)
+      .def_readonly("device_index", &CommConfig::device_index);
   m.def("create", &create, py::arg("config"), "Create this rank's communicator and heap; returns its export handle");
   m.def("connect", &connect, "Open every rank's heap from the gathered export handles");
   m.def("finish", &finish, "Finish bootstrap after a group barrier (unlink, P2P probe)");

@@ -198,22 +198,15 @@ class Communicator:
         self._order = order_token(self.device)
         self._open = False
 
-        config = _C.CommConfig()
-        for name, value in dict(
-            id=self.id, rank=self.rank, world=self.world_size, cap=cap, hidden=hidden, topk=topk,
-            num_experts=num_experts, dtype=dtype, timeout_ms=timeout_ms,
-            device_index=-1 if self.device.index is None else self.device.index,
-        ).items():
-            setattr(config, name, value)
         try:
-            problems = self._start(config, choice.transport, slot_bytes, reports, rendezvous)
+            problems = self._start(choice.transport, slot_bytes, reports, rendezvous)
             if problems:
                 probe = "peer-to-peer probe failed: " + "; ".join(problems)
                 if transport != "auto":
                     raise RuntimeError(f"Communicator: {probe}")
                 # Every rank saw the same problems, so every rank falls back.
                 choice = TransportChoice("dist", probe, True)
-                self._start(config, "dist", slot_bytes, reports, rendezvous)
+                self._start("dist", slot_bytes, reports, rendezvous)
         except BaseException as e:
             rendezvous.fail(e)
             rendezvous.remove_segments_of_exited()
@@ -242,13 +235,11 @@ class Communicator:
         c10d._world.pg_group_ranks[pg] = {g: r for r, g in enumerate(ranks)}  # as new_group records it
         return pg
 
-    def _start(self, config, transport: str, slot_bytes: Optional[int], reports: Sequence[RankReport],
+    def _start(self, transport: str, slot_bytes: Optional[int], reports: Sequence[RankReport],
                rendezvous: Rendezvous) -> list:
         """Create this rank's transport and connect it to its peers (collective).
         Returns the links that failed the GPU probe, in the same words on every
         rank; with any, the transport is released again."""
-        config.transport = transport
-        config.ar_slot_bytes = DEFAULT_ALLREDUCE_SLOT_BYTES[transport] if slot_bytes is None else slot_bytes
         dist_group = None
         if transport == "dist":
             # A group of its own: a collective that timed out leaves its group
@@ -260,10 +251,14 @@ class Communicator:
             # The group's own timeout bounds its connection set-up (every
             # collective carries timeout_ms itself): at least DIST_SETUP_MS,
             # which connecting gloo's pairs can take on a loaded host.
-            setup = timedelta(milliseconds=max(config.timeout_ms, DIST_SETUP_MS))
+            setup = timedelta(milliseconds=max(self.timeout_ms, DIST_SETUP_MS))
             dist_group = self._own_group("nccl" if nccl else "gloo", setup, rendezvous)
-            config.group_name = dist_group.group_name
-        handle = _C.create(config)
+        handle = _C.create(_C.CommConfig(
+            id=self.id, transport=transport, group_name=dist_group.group_name if dist_group is not None else "",
+            rank=self.rank, world=self.world_size, cap=self.max_tokens_per_rank, hidden=self.hidden,
+            topk=self.topk, num_experts=self.num_experts, dtype=self.dtype,
+            ar_slot_bytes=DEFAULT_ALLREDUCE_SLOT_BYTES[transport] if slot_bytes is None else slot_bytes,
+            timeout_ms=self.timeout_ms, device_index=-1 if self.device.index is None else self.device.index))
         self._open = True
         self._finalizer = weakref.finalize(self, _release, self.id, dist_group)
         # Stage names carry the transport: a fallback to dist exchanges anew.
