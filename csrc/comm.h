@@ -143,10 +143,25 @@ class Comm {
                             at::Tensor& out) = 0;
 
   std::string timeout_message(int op, int peer, uint64_t gen) const;
+  // The handle is user input: every value that picks a row, a chunk or a
+  // rank is checked before the first protocol step, so a bad one raises a
+  // ValueError and the communicator stays usable. For handles the host can
+  // read (the CPU transport); the GPU kernel checks the same values
+  // (combine.cu) and check() reports them (device_bad_handle_message).
+  void check_handle_values(const int32_t* recv_src, const int32_t* counts, const int32_t* src_tokens,
+                           const int32_t* send_mask, int64_t ntok) const;
   // "combine: handle.<field>[index] = value is out of range: expected ...".
   static std::string bad_handle_message(int field, int64_t index, int64_t value, const std::string& expected);
-  // What a combine kernel found (encode_bad_handle), for check(): the
-  // expectation from the communicator's sizes, which is all the host knows.
+  // What a handle value must be, in words: the one table of both checks.
+  // The host check knows the values around the bad one (`facts`); a word the
+  // combine kernel left (encode_bad_handle) says only field, index and value.
+  struct HandleFacts {
+    bool host = false;
+    int64_t source = -1, source_tokens = 0;  // recv_src: the row's source and its token count
+    int64_t previous = -1, previous_value = 0;  // recv_src: the row before, when out of order
+    int64_t tokens = -1;  // src_tokens[rank]: this rank's token count, when it differs
+  };
+  std::string handle_expectation(int field, int64_t index, const HandleFacts& facts) const;
   std::string device_bad_handle_message(uint64_t word) const;
   // The rank of a watched peer whose process has exited, or -1.
   int exited_peer() const;

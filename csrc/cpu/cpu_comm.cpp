@@ -26,11 +26,14 @@
 #include <vector>
 
 #include "../comm.h"
+#include "cpu_arith.h"
 
 namespace rdna4_comm {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using cpu::rmsnorm_rows;
+using cpu::sum_in_order;
 
 // The "multiprocessor count" the CPU sizes all_reduce with (allreduce_blocks):
 // shares of more than 32 KiB run as several pieces, each with its own flag
@@ -57,50 +60,6 @@ char* map_segment(int fd, size_t bytes, const std::string& name) {
   TORCH_CHECK(p != MAP_FAILED, "rdna4_comm: mmap of shared-memory segment ", name, " (", bytes,
               " bytes) failed: ", std::strerror(errno));
   return static_cast<char*>(p);
-}
-
-// Element-wise fp32 sum of `srcs` in the given (rank) order, rounded once.
-template <typename T>
-void sum_rows(T* out, const std::vector<const char*>& srcs, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    float acc = float(reinterpret_cast<const T*>(srcs[0])[i]);
-    for (size_t r = 1; r < srcs.size(); ++r) acc += float(reinterpret_cast<const T*>(srcs[r])[i]);
-    out[i] = T(acc);
-  }
-}
-
-void sum_in_order(at::ScalarType st, char* out, const std::vector<const char*>& srcs, int64_t n) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, st, "rdna4_comm_sum", [&] {
-    sum_rows<scalar_t>(reinterpret_cast<scalar_t*>(out), srcs, n);
-  });
-}
-
-// The residual add and the norm of rows whose all_reduce sum is c.x, in the
-// op's roundings (docs/semantics.md): r = round(s + residual); out =
-// round(w * round(r * inv_rms)). The sum of squares accumulates in fp64
-// (rmsnorm_inv_rms says why) over kLanes strided partial sums combined
-// pairwise, a fixed order: bitwise equal results on every rank and run.
-template <typename T, typename W>
-void rmsnorm_rows(const RmsNormRows& c) {
-  constexpr int kLanes = 16;
-  const int64_t H = c.hidden;
-  const W* w = static_cast<const W*>(c.weight);
-  for (int64_t row = 0; row < c.rows; ++row) {
-    const T* s = reinterpret_cast<const T*>(c.x) + row * H;
-    const T* res = c.residual ? reinterpret_cast<const T*>(c.residual) + row * H : nullptr;
-    T* r = reinterpret_cast<T*>(c.residual_out) + row * H;
-    T* out = reinterpret_cast<T*>(c.out) + row * H;
-    double lanes[kLanes] = {};
-    for (int64_t i = 0; i < H; ++i) {
-      const T v = res ? T(float(s[i]) + float(res[i])) : s[i];
-      r[i] = v;
-      lanes[i % kLanes] += double(float(v)) * double(float(v));
-    }
-    for (int width = kLanes / 2; width > 0; width /= 2)
-      for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
-    const float inv = rmsnorm_inv_rms(lanes[0], H, c.eps);
-    for (int64_t i = 0; i < H; ++i) out[i] = T(float(w[i]) * float(T(float(r[i]) * inv)));
-  }
 }
 
 class CpuComm final : public Comm {
@@ -245,7 +204,7 @@ class CpuComm final : public Comm {
     const int32_t* ntok = src_tokens.data_ptr<int32_t>();
     const int32_t* mask = send_mask.data_ptr<int32_t>();
     const char* yp = static_cast<const char*>(y.data_ptr());
-    check_handle(src, cnt, ntok, mask, T);
+    check_handle_values(src, cnt, ntok, mask, T);
     const uint64_t gen = op_generation(kOpCombine);
     std::vector<int64_t> offset(W + 1, 0);
     for (int s = 0; s < W; ++s) offset[s + 1] = offset[s] + cnt[s];
@@ -290,52 +249,6 @@ class CpuComm final : public Comm {
   }
 
  private:
-  // The handle is user input: every value that picks a row, a chunk or a
-  // rank is checked before the first protocol step, so a bad one raises a
-  // ValueError and the communicator stays usable. (The GPU kernel checks the
-  // same values: combine.cu.)
-  void check_handle(const int32_t* recv_src, const int32_t* counts, const int32_t* src_tokens,
-                    const int32_t* send_mask, int64_t T) const {
-    const int W = cfg_.world, me = cfg_.rank;
-    const int64_t cap = cfg_.cap;
-    auto fail = [](int field, int64_t index, int64_t value, const std::string& expected) {
-      TORCH_CHECK_VALUE(false, bad_handle_message(field, index, value, expected));
-    };
-    for (int s = 0; s < W; ++s) {
-      if (counts[s] < 0 || counts[s] > cap)
-        fail(kHandleCounts, s, counts[s], "a row count in [0, " + std::to_string(cap) + "] (max_tokens_per_rank)");
-      if (src_tokens[s] < 0 || src_tokens[s] > cap)
-        fail(kHandleSrcTokens, s, src_tokens[s],
-             "a token count in [0, " + std::to_string(cap) + "] (max_tokens_per_rank)");
-    }
-    if (src_tokens[me] != T)
-      fail(kHandleSrcTokens, me, src_tokens[me],
-           std::to_string(T) + ", this rank's token count (the length of handle.send_mask)");
-    const uint32_t ranks = uint32_t((uint64_t(1) << W) - 1);
-    for (int64_t t = 0; t < T; ++t)
-      if (uint32_t(send_mask[t]) & ~ranks)
-        fail(kHandleSendMask, t, send_mask[t],
-             "a set of ranks below the world size " + std::to_string(W) + ", in [0, " + std::to_string(ranks) + "]");
-    int64_t j = 0;
-    for (int s = 0; s < W; ++s) {
-      const int64_t first = s * cap, end = first + src_tokens[s];
-      for (int32_t k = 0; k < counts[s]; ++k, ++j) {
-        if (recv_src[j] < first || recv_src[j] >= end)
-          fail(kHandleRecvSrc, j, recv_src[j],
-               "a row of source rank " + std::to_string(s) + ", " + std::to_string(s) + " * " + std::to_string(cap) +
-                   " + t with t below " + std::to_string(src_tokens[s]) + " (the source rank " + std::to_string(s) +
-                   "'s token count): in [" + std::to_string(first) + ", " + std::to_string(end) + ")");
-        // Chunks of a source's tokens are runs of its rows: out of order, a
-        // row would travel with another chunk than its flag announces.
-        if (k > 0 && recv_src[j] <= recv_src[j - 1])
-          fail(kHandleRecvSrc, j, recv_src[j],
-               "greater than handle.recv_src[" + std::to_string(j - 1) + "] = " + std::to_string(recv_src[j - 1]) +
-                   " (a source's rows ascend by token)");
-      }
-    }
-    // recv_src past the received rows is never read, so any value passes.
-  }
-
   template <typename IdxT, typename WT>
   void dispatch_typed(const at::Tensor& x, const IdxT* idp, const WT* wp, Dispatched& out) {
     const int W = cfg_.world, me = cfg_.rank;

@@ -1,0 +1,60 @@
+// The CPU transport's arithmetic: the rank-ordered sum of all_reduce and the
+// residual add and norm of all_reduce_rmsnorm, in the roundings every
+// transport shares (docs/semantics.md).
+#pragma once
+
+#include <ATen/Dispatch.h>
+
+#include <vector>
+
+#include "../comm.h"
+
+namespace rdna4_comm {
+namespace cpu {
+
+// Element-wise fp32 sum of `srcs` in the given (rank) order, rounded once.
+template <typename T>
+void sum_rows(T* out, const std::vector<const char*>& srcs, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    float acc = float(reinterpret_cast<const T*>(srcs[0])[i]);
+    for (size_t r = 1; r < srcs.size(); ++r) acc += float(reinterpret_cast<const T*>(srcs[r])[i]);
+    out[i] = T(acc);
+  }
+}
+
+inline void sum_in_order(at::ScalarType st, char* out, const std::vector<const char*>& srcs, int64_t n) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, st, "rdna4_comm_sum", [&] {
+    sum_rows<scalar_t>(reinterpret_cast<scalar_t*>(out), srcs, n);
+  });
+}
+
+// The residual add and the norm of rows whose all_reduce sum is c.x, in the
+// op's roundings (docs/semantics.md): r = round(s + residual); out =
+// round(w * round(r * inv_rms)). The sum of squares accumulates in fp64
+// (rmsnorm_inv_rms says why) over kLanes strided partial sums combined
+// pairwise, a fixed order: bitwise equal results on every rank and run.
+template <typename T, typename W>
+void rmsnorm_rows(const RmsNormRows& c) {
+  constexpr int kLanes = 16;
+  const int64_t H = c.hidden;
+  const W* w = static_cast<const W*>(c.weight);
+  for (int64_t row = 0; row < c.rows; ++row) {
+    const T* s = reinterpret_cast<const T*>(c.x) + row * H;
+    const T* res = c.residual ? reinterpret_cast<const T*>(c.residual) + row * H : nullptr;
+    T* r = reinterpret_cast<T*>(c.residual_out) + row * H;
+    T* out = reinterpret_cast<T*>(c.out) + row * H;
+    double lanes[kLanes] = {};
+    for (int64_t i = 0; i < H; ++i) {
+      const T v = res ? T(float(s[i]) + float(res[i])) : s[i];
+      r[i] = v;
+      lanes[i % kLanes] += double(float(v)) * double(float(v));
+    }
+    for (int width = kLanes / 2; width > 0; width /= 2)
+      for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+    const float inv = rmsnorm_inv_rms(lanes[0], H, c.eps);
+    for (int64_t i = 0; i < H; ++i) out[i] = T(float(w[i]) * float(T(float(r[i]) * inv)));
+  }
+}
+
+}  // namespace cpu
+}  // namespace rdna4_comm
