@@ -455,6 +455,11 @@ void register_comm(std::shared_ptr<Comm> comm) {
               "' is already registered");
 }
 
+int64_t allreduce_slot_bytes(const std::string& transport, int64_t requested) {
+  const int64_t slot = requested > 0 ? requested : (transport == "cpu" ? int64_t(1) << 20 : int64_t(16) << 20);
+  return int64_t(align_up(size_t(slot), kAlign));
+}
+
 std::shared_ptr<Comm> lookup_comm(const std::string& id) {
   std::lock_guard<std::mutex> g(registry_mutex());
   auto it = registry().find(id);

@@ -34,6 +34,13 @@ struct CommConfig : HeapConfig {
   int64_t experts_per_rank() const { return num_experts / world; }
 };
 
+// A communicator's all_reduce slot: bytes per (parity, source) inbox, one
+// chunk of a larger tensor at a time (one-shot chunks fill at most one slot,
+// two-shot chunks at most world_size). `requested`, or the transport's
+// default when it is 0, aligned as the heap lays slots out. "dist" has no
+// heap: its slot only bounds the temporaries of a chunk.
+int64_t allreduce_slot_bytes(const std::string& transport, int64_t requested);
+
 // How often a waiting rank looks whether a watched peer's process exited.
 constexpr int kLivenessPeriodMs = 50;
 

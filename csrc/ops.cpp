@@ -238,8 +238,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return std::string(rmsnorm_path_name(rmsnorm_path(tokens, hidden, elt, world, gpu, slot_bytes)));
   }, py::arg("tokens"), py::arg("hidden"), py::arg("elt"), py::arg("world"), py::arg("gpu"), py::arg("slot_bytes"));
   m.def("rmsnorm_row_in_registers", &rmsnorm_row_in_registers, py::arg("hidden"), py::arg("elt"));
-  m.def("aligned_slot_bytes", [](int64_t slot_bytes) { return int64_t(align_up(size_t(slot_bytes), kAlign)); },
-        py::arg("slot_bytes"));
+  m.def("allreduce_slot_bytes", &allreduce_slot_bytes, py::arg("transport"), py::arg("requested") = 0,
+        "The all_reduce slot of a communicator: requested, or the transport's default when 0, aligned");
   testing.def("rmsnorm_use_one_stage", &rmsnorm_use_one_stage, py::arg("tokens"), py::arg("row_bytes"),
               py::arg("world"), py::arg("gpu"));
   testing.def("rmsnorm_chunk_rows", &rmsnorm_chunk_rows, py::arg("slot_bytes"), py::arg("row_bytes"),

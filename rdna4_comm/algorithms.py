@@ -8,12 +8,6 @@ import torch
 
 from . import _C
 
-# all_reduce inbox per (parity, source rank). One-shot chunks are at most one
-# slot; two-shot chunks at most world_size slots. Larger tensors are chunked.
-# "dist" has no heap: the slot only bounds the temporaries of a chunk.
-DEFAULT_ALLREDUCE_SLOT_BYTES = {"cpu": 1 << 20, "gpu": 16 << 20, "dist": 16 << 20}
-
-
 def allreduce_algorithm(nbytes: int, world_size: int, transport: str) -> str:
     """The all_reduce path for a tensor of ``nbytes``: "one_shot" or "two_shot"
     (the predicate the C++ ops use, see csrc/protocol.h)."""
@@ -29,9 +23,9 @@ def all_reduce_rmsnorm_algorithm(
     "all_reduce_then_norm" when a row does not fit the communicator's
     all_reduce slot (``allreduce_slot_bytes``, default the transport's). The
     predicate the C++ op itself uses (csrc/protocol.h, rmsnorm_path)."""
-    slot = DEFAULT_ALLREDUCE_SLOT_BYTES[transport] if allreduce_slot_bytes is None else allreduce_slot_bytes
+    slot = _C.allreduce_slot_bytes(transport, allreduce_slot_bytes or 0)
     elt = torch.empty((), dtype=dtype).element_size()
-    return _C.rmsnorm_path(tokens, hidden, elt, world_size, transport == "gpu", _C.aligned_slot_bytes(slot))
+    return _C.rmsnorm_path(tokens, hidden, elt, world_size, transport == "gpu", slot)
 
 
 def all_reduce_rmsnorm_row_in_registers(hidden: int, dtype: torch.dtype) -> bool:

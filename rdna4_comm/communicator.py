@@ -16,7 +16,6 @@ import torch.distributed.distributed_c10d as c10d
 
 from . import _C
 from ._rendezvous import Rendezvous
-from .algorithms import DEFAULT_ALLREDUCE_SLOT_BYTES
 from .results import DispatchHandle, Dispatched
 from .transport_policy import RankReport, TransportChoice, choose_transport, host_identity, rank_report, shared_gpus_allowed
 from .ops import order_token
@@ -257,7 +256,7 @@ class Communicator:
             id=self.id, transport=transport, group_name=dist_group.group_name if dist_group is not None else "",
             rank=self.rank, world=self.world_size, cap=self.max_tokens_per_rank, hidden=self.hidden,
             topk=self.topk, num_experts=self.num_experts, dtype=self.dtype,
-            ar_slot_bytes=DEFAULT_ALLREDUCE_SLOT_BYTES[transport] if slot_bytes is None else slot_bytes,
+            ar_slot_bytes=_C.allreduce_slot_bytes(transport, slot_bytes or 0),
             timeout_ms=self.timeout_ms, device_index=-1 if self.device.index is None else self.device.index))
         self._open = True
         self._finalizer = weakref.finalize(self, _release, self.id, dist_group)

@@ -99,7 +99,7 @@ def boundary_cases(world_size, transport, slot):
     """Shapes at and around every boundary of the gate, each named by the path
     the gate gives it; every path occurs (two_stage only beyond 2 ranks)."""
     one_shot_max = rc._C.testing.one_shot_max_bytes[transport]
-    aligned = rc._C.aligned_slot_bytes(slot)
+    aligned = rc._C.allreduce_slot_bytes(transport, slot)
     cases = []
     H = 256  # fp32 rows of 1 KiB
     rows = one_shot_max // (H * 4)
