@@ -39,16 +39,18 @@ def special_values(rank: int) -> torch.Tensor:
 def t_same_inputs_on_both(ctx, cfg, cases):
     by_transport = {}
     for transport in ("cpu", "dist"):
+        # "dist" runs on the GPU wherever every rank sees one, CPU worlds included.
         comm = ctx.comm(transport=transport, **cfg)
+        dev = comm.device
         outs = []
         for seed, Ts, kind, weights in cases:
             x, idx, w = ep_inputs(seed, ctx.rank, ctx.world, Ts[ctx.rank], ref_cfg(cfg), kind, weights)
-            d = comm.dispatch(x, idx, w)
+            d = comm.dispatch(x.to(dev), idx.to(dev), None if w is None else w.to(dev))
             # Negated results: combine must start each sum from its first term (-0 + -0 is -0).
             outs.append((d, comm.combine(-expert_fn(d.x, ctx.rank) * 0, d.handle),
                          comm.combine(expert_fn(d.x, ctx.rank), d.handle)))
-        sums = [comm.all_reduce(rand(i, ctx.rank, shape, dtype)) for i, (shape, dtype) in enumerate(AR_CASES)]
-        sums.append(comm.all_reduce(special_values(ctx.rank)))
+        sums = [comm.all_reduce(rand(i, ctx.rank, shape, dtype).to(dev)) for i, (shape, dtype) in enumerate(AR_CASES)]
+        sums.append(comm.all_reduce(special_values(ctx.rank).to(dev)))
         by_transport[transport] = outs, sums
     return by_transport
 
@@ -80,7 +82,7 @@ def t_compiled_layer_on_both(ctx, seed):
             return y + x, comm.all_reduce((y * x).sum(0))
 
         f = torch.compile(step, fullgraph=True)
-        outs[transport] = [f(rc.mark_dynamic_tokens(rand(seed + i, ctx.rank, ((3 * i + ctx.rank) % 9, 16))))
+        outs[transport] = [f(rc.mark_dynamic_tokens(rand(seed + i, ctx.rank, ((3 * i + ctx.rank) % 9, 16)).to(comm.device)))
                            for i in range(3)]
     return outs
 

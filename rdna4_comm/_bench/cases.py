@@ -73,7 +73,8 @@ def allreduce_ops(ctx: RankContext, comm: Communicator, tokens: int, hidden: int
     x, check = allreduce_case(ctx.rank, ctx.world, tokens, hidden, ctx.device)
     ops = [rdna4_allreduce_op(comm, x, check)]
     if dist_comm is not None:
-        ops.append(rdna4_allreduce_op(dist_comm, x, check, "rdna4_comm_dist"))
+        # "dist" runs on the GPU wherever every rank sees one, CPU processes included.
+        ops.append(rdna4_allreduce_op(dist_comm, x.to(dist_comm.device), check, "rdna4_comm_dist"))
     inplace = torch.empty_like(x)
 
     def torch_all_reduce():
