@@ -39,7 +39,7 @@ from ._launch import WorldFailed
 from .algorithms import allreduce_algorithm
 from .communicator import Communicator
 from .moe import ExpertParallelMoE, dense_moe, init_weights
-from .tp import TensorParallelMLP, dense_mlp_block, llama_mlp
+from .tp import LlamaStyleMLP, TensorParallelMLP, dense_mlp_block
 from .tp import init_weights as init_tp_weights
 
 # The checks' layer: small enough for CPU processes, big enough for several
@@ -94,7 +94,7 @@ def check_round_trip(ctx, comm) -> str:
 def check_tp(ctx, comm) -> str:
     """TensorParallelMLP over the ranks equals dense_mlp_block within bf16 rounding."""
     weights = init_tp_weights(2, TP_HIDDEN, TP_FFN)
-    mlp = TensorParallelMLP(llama_mlp(weights, ctx.device), comm)
+    mlp = TensorParallelMLP(LlamaStyleMLP(weights, ctx.device), comm)
     normed = rand(200, 0, (16, TP_HIDDEN), torch.bfloat16) / 4  # unit scale, exact in bf16
     residual = rand(201, 0, (16, TP_HIDDEN), torch.bfloat16) / 4
     out, residual_out = mlp.forward_norm(normed.to(ctx.device), residual.to(ctx.device),
@@ -110,7 +110,7 @@ def tp_block_ops(ctx, comm, tokens: int) -> list[Op]:
     """The TP block with all_reduce_rmsnorm against the same block unfused
     (all_reduce, add, RMSNorm): the same residual_out bitwise."""
     weights = init_tp_weights(2, TP_HIDDEN, TP_FFN)
-    mlp = TensorParallelMLP(llama_mlp(weights, ctx.device), comm)
+    mlp = TensorParallelMLP(LlamaStyleMLP(weights, ctx.device), comm)
     norm = weights["next_norm"].to(ctx.device)
     normed = (rand(300, 0, (tokens, TP_HIDDEN), torch.bfloat16) / 4).to(ctx.device)
     residual = (rand(301, 0, (tokens, TP_HIDDEN), torch.bfloat16) / 4).to(ctx.device)

@@ -14,7 +14,7 @@ and applies the next layer's RMSNorm (:meth:`TensorParallelMLP.forward_norm`)::
 
 Without the fused op that step is ``all_reduce``, an add and an RMSNorm
 (:meth:`TensorParallelMLP.forward_norm_unfused`, the same values bit for bit
-in residual_out). :func:`init_weights`, :func:`llama_mlp` and
+in residual_out). :func:`init_weights`, :class:`LlamaStyleMLP` and
 :func:`dense_mlp_block` build a block and its single-process reference.
 """
 from __future__ import annotations
@@ -127,8 +127,12 @@ def init_weights(seed: int, hidden: int, ffn: int, dtype: torch.dtype = torch.bf
     }
 
 
-class _LlamaStyleMLP(nn.Module):
-    def __init__(self, weights: dict[str, torch.Tensor], device: Optional[torch.device]):
+class LlamaStyleMLP(nn.Module):
+    """A LlamaMLP-style module (``gate_proj``, ``up_proj``, ``down_proj``
+    without bias, SiLU ``act_fn``) holding :func:`init_weights`' weights, on
+    ``device`` (default the CPU)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], device: Optional[torch.device] = None):
         super().__init__()
         ffn, hidden = weights["gate"].shape
         for name, (fan_in, fan_out) in (("gate", (hidden, ffn)), ("up", (hidden, ffn)), ("down", (ffn, hidden))):
@@ -142,16 +146,9 @@ class _LlamaStyleMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
-def llama_mlp(weights: dict[str, torch.Tensor], device: Optional[torch.device] = None) -> nn.Module:
-    """A LlamaMLP-style module (``gate_proj``, ``up_proj``, ``down_proj``
-    without bias, SiLU ``act_fn``) holding :func:`init_weights`' weights."""
-    return _LlamaStyleMLP(weights, device)
-
-
 def dense_mlp_block(normed: torch.Tensor, residual: torch.Tensor, weights: dict[str, torch.Tensor],
                     eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """The unsharded block, the reference of :meth:`TensorParallelMLP.forward_norm`:
     (next layer's normed input, new residual)."""
-    act = F.silu(normed @ weights["gate"].T) * (normed @ weights["up"].T)
-    r = act @ weights["down"].T + residual
+    r = LlamaStyleMLP(weights, normed.device)(normed) + residual
     return reference.rms_norm(r, weights["next_norm"], eps), r

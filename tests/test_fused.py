@@ -434,7 +434,7 @@ def t_tp_block(ctx, mode):
 
     comm = ctx.comm(allreduce_slot_bytes=SLOT, timeout_ms=120_000)
     weights = tp.init_weights(1, TP_HIDDEN, TP_FFN)
-    mlp = tp.TensorParallelMLP(tp.llama_mlp(weights, ctx.device), comm)
+    mlp = tp.TensorParallelMLP(tp.LlamaStyleMLP(weights, ctx.device), comm)
     norm = weights["next_norm"].to(ctx.device)
 
     def block(normed, residual):
