@@ -20,6 +20,8 @@ constexpr int kMaxGpuWorld = 8;
 constexpr int kMaxTopk = 64;
 // all_reduce flag slots per (parity, phase, source): bounds the grid size.
 constexpr int kMaxAllReduceBlocks = 256;
+// Blocks of any GPU launch: each has its own generation counter (Layout::counter).
+constexpr int kMaxLaunchBlocks = 256;
 constexpr int kProbeBytes = 4096;
 constexpr size_t kAlign = 256;
 // Stale peer reads were observed on gfx1201 with small reused cached IPC
@@ -233,7 +235,10 @@ struct EpGrid {
 RC_HD int clamp_blocks(int64_t want, int64_t most) {
   return int(want < 1 ? 1 : (want > most ? (most < 1 ? 1 : most) : want));
 }
-RC_HD int ep_grid_budget(int sm_count) { return sm_count * 3 / 4 < 2 ? 2 : sm_count * 3 / 4; }
+RC_HD int ep_grid_budget(int sm_count) {
+  const int b = sm_count * 3 / 4 < kMaxLaunchBlocks ? sm_count * 3 / 4 : kMaxLaunchBlocks;
+  return b < 2 ? 2 : b;
+}
 // Most blocks of the own-token role: its share (W + 1) / (3W - 1) of the
 // budget, one block left to the other role, and at most kEpTargetChunks (a
 // dispatch sender block is one chunk, and there are ep_max_chunks slots).
@@ -387,8 +392,7 @@ struct Layout {
   size_t payload_stride = 0;  // bytes of one hidden row, 16-byte aligned
   size_t row_stride = 0;      // dispatch row: payload, topk ids, weights, source token
 
-  size_t counters = 0;         // [kNumOps] own generation counters
-  size_t blocks_done = 0;      // [kNumOps] GPU: blocks finished in the running op
+  size_t counters = 0;         // [kNumOps][kMaxLaunchBlocks] own generation counters, one per GPU block
   size_t ar_flags = 0;         // [2][2 phases][W][kMaxAllReduceBlocks] u64
   size_t dispatch_heads = 0;   // [2][W] HeadSlot
   size_t dispatch_chunks = 0;  // [2][W][max_chunks] ChunkSlot
@@ -404,11 +408,8 @@ struct Layout {
   size_t probe = 0;          // [W][kProbeBytes]
   size_t data_bytes = 0;
 
-  RC_HD uint64_t* counter(char* sig, int op) const {
-    return reinterpret_cast<uint64_t*>(sig + counters) + op;
-  }
-  RC_HD uint64_t* block_counter(char* sig, int op) const {
-    return reinterpret_cast<uint64_t*>(sig + blocks_done) + op;
+  RC_HD uint64_t* counter(char* sig, int op, int block = 0) const {
+    return reinterpret_cast<uint64_t*>(sig + counters) + size_t(op) * kMaxLaunchBlocks + block;
   }
   RC_HD uint64_t* ar_flag(char* sig, uint64_t gen, int phase, int src, int block) const {
     return reinterpret_cast<uint64_t*>(sig + ar_flags) +
@@ -477,8 +478,7 @@ inline Layout make_layout(const HeapConfig& c) {
     off = align_up(off + bytes, kAlign);
     return at;
   };
-  l.counters = take(sizeof(uint64_t) * kNumOps);
-  l.blocks_done = take(sizeof(uint64_t) * kNumOps);
+  l.counters = take(sizeof(uint64_t) * kNumOps * kMaxLaunchBlocks);
   l.ar_flags = take(sizeof(uint64_t) * 2 * 2 * W * kMaxAllReduceBlocks);
   l.dispatch_heads = take(sizeof(HeadSlot) * 2 * W);
   l.dispatch_chunks = take(sizeof(ChunkSlot) * 2 * W * size_t(l.max_chunks));

@@ -122,7 +122,7 @@ def test_every_dispatch_field_under_replay(worlds):
 
 # ------------------------------------------------------------ stream order
 #
-# A kernel reads its generation at start and its last block stores it back,
+# A kernel's blocks read their generation at start and store it back at the end,
 # so two ops of one communicator on two streams could take the same
 # generation; the library orders every launch after the one before it.
 

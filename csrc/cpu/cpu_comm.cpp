@@ -440,13 +440,12 @@ class CpuComm final : public Comm {
   char* signals(int r) const { return bases_[r]; }
   char* data(int r) const { return bases_[r] + layout_.signal_bytes; }
 
-  // Generations, counted as the GPU counts them: an op reads counter + 1 at
-  // start and stores it back when it finishes, the end of the op standing in
-  // for the GPU's last block. Ops of a communicator run one after another on
-  // the calling thread. The counter lives in this rank's own segment and only
-  // this rank touches it. An op that raises (a timeout) does not advance it;
-  // the communicator is failed then anyway (check() raises), as after a GPU
-  // timeout.
+  // Generations, counted as the GPU counts them (with block 0's counter): an
+  // op reads counter + 1 at start and stores it back when it finishes. Ops
+  // of a communicator run one after another on the calling thread. The
+  // counter lives in this rank's own segment and only this rank touches it.
+  // An op that raises (a timeout) does not advance it; the communicator is
+  // failed then anyway (check() raises), as after a GPU timeout.
   uint64_t op_generation(int op) const { return *layout_.counter(signals(cfg_.rank), op) + 1; }
   void finish_op(int op, uint64_t gen) { *layout_.counter(signals(cfg_.rank), op) = gen; }
 

@@ -244,9 +244,9 @@ class GpuComm final : public Comm {
   }
 
  private:
-  // Stream order. A kernel reads its generation at start and its last block
-  // stores it back (device/sync.cuh), so a kernel of this communicator may
-  // start only once the one before it, on whatever stream, has finished.
+  // Stream order. A kernel's blocks read their generation at start and store
+  // it back at their end (device/sync.cuh), so a kernel of this communicator
+  // may start only once the one before it, on whatever stream, has finished.
   // Every launch records last_launch_ after it, so a launch on another
   // stream, or a graph replayed later, can wait for it. Under capture the
   // record and the wait are external graph nodes, so a replay waits for the

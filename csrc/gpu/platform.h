@@ -172,16 +172,6 @@ RC_DEVICE void store_release_device(uint64_t* p, uint64_t v) {
   asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 #endif
 }
-// Device-scope fence for the last-block-done count on this GPU's own memory.
-// (Publication needs no separate fence: the system-scope release store is
-// cumulative over the stores the block barrier ordered before it.)
-RC_DEVICE void fence_device() {
-#ifdef RC_HIP
-  __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "agent");
-#else
-  __threadfence();
-#endif
-}
 
 // Block barrier, and a barrier that also tells whether `pred` held on every
 // thread. On HIP these are spelled with compiler builtins so the kernels need

@@ -20,8 +20,7 @@
 // barrier (block_all) hands that to the whole block.
 //
 // Every flag slot has one writer, so no peer atomics exist. The only atomics
-// act on this GPU's own memory: finish_op's block count (device scope) and
-// shared-memory counters.
+// act on shared memory (counters of a block).
 #pragma once
 
 #include "launch.cuh"
@@ -31,29 +30,27 @@ namespace gpu {
 
 // Generations. A kernel of a communicator starts only after the one before it
 // has finished, on any stream (the host orders them: in_stream_order in
-// gpu_comm.cpp). Each kernel therefore reads its generation, counter + 1, at
-// start (op_generation), and its last block to finish stores it back
-// (finish_op), before the next kernel of the kind can read it. The host never
+// gpu_comm.cpp). Each block of a launch has its own counter: it reads its
+// generation, counter + 1, at start (op_generation) and stores it back when
+// it finishes (finish_op), and block 0 also stores it into the counters of
+// the blocks this launch does not have, which a later, larger grid reads.
+// Nothing of this launch reads another block's counter, so the blocks never
+// wait for each other to finish, and the next kernel of the kind, started
+// after this one ended, reads the same value in every block. The host never
 // passes a generation, so a replayed graph keeps counting.
 RC_DEVICE uint64_t op_generation(const Env& env, int op) {
-  return *env.layout.counter(env.sig[env.rank], op) + 1;
+  return *env.layout.counter(env.sig[env.rank], op, blockIdx.x) + 1;
 }
 
-// Every thread of the block has read the generation (op_generation, at start)
-// before thread 0 counts the block done, so the last block's store cannot
-// overtake a reader of this launch.
+// The barrier: every thread of the block has read its generation before
+// thread 0 overwrites it.
 RC_DEVICE void finish_op(const Env& env, int op, uint64_t gen) {
   block_sync();
-  if (threadIdx.x == 0) {
-    char* sig = env.sig[env.rank];
-    fence_device();
-    auto* done = reinterpret_cast<unsigned long long*>(env.layout.block_counter(sig, op));
-    if (atomicAdd(done, 1ull) == gridDim.x - 1) {
-      *done = 0;
-      *env.layout.counter(sig, op) = gen;
-      fence_device();
-    }
-  }
+  char* sig = env.sig[env.rank];
+  if (threadIdx.x == 0) *env.layout.counter(sig, op, blockIdx.x) = gen;
+  if (blockIdx.x == 0)
+    for (int b = int(gridDim.x + threadIdx.x); b < kMaxLaunchBlocks; b += int(blockDim.x))
+      *env.layout.counter(sig, op, b) = gen;
 }
 
 // The first thread to fail leaves one word for the host: a timeout
