@@ -292,6 +292,17 @@ RC_DEVICE uint16_t float_to_bf16_bits(float f) {
   return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 #endif
 }
+// Two values that are not NaN, rounded as float_to_bf16_bits rounds them
+// and packed (lo in the low half): one instruction for both where there is one.
+RC_DEVICE uint32_t float2_to_bf16x2_bits_not_nan(float lo, float hi) {
+#if !defined(RC_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint32_t b;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(b) : "f"(hi), "f"(lo));
+  return b;
+#else
+  return uint32_t(float_to_bf16_bits(lo)) | uint32_t(float_to_bf16_bits(hi)) << 16;
+#endif
+}
 RC_DEVICE float f16_bits_to_float(uint16_t b) {
 #ifdef RC_HIP
   return float(__builtin_bit_cast(_Float16, b));
@@ -307,6 +318,15 @@ RC_DEVICE uint16_t float_to_f16_bits(float f) {
 #else
   uint16_t b;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(b) : "f"(f));
+  return b;
+#endif
+}
+RC_DEVICE uint32_t float2_to_f16x2_bits_not_nan(float lo, float hi) {
+#ifdef RC_HIP
+  return uint32_t(float_to_f16_bits(lo)) | uint32_t(float_to_f16_bits(hi)) << 16;
+#else
+  uint32_t b;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(b) : "f"(hi), "f"(lo));
   return b;
 #endif
 }

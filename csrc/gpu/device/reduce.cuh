@@ -22,11 +22,13 @@ template <> struct Elem<DType::kBF16> {
   using Raw = uint16_t;
   static RC_DEVICE float load(Raw v) { return bf16_bits_to_float(v); }
   static RC_DEVICE Raw store(float v) { return float_to_bf16_bits(v); }
+  static RC_DEVICE uint32_t store2_not_nan(float lo, float hi) { return float2_to_bf16x2_bits_not_nan(lo, hi); }
 };
 template <> struct Elem<DType::kF16> {
   using Raw = uint16_t;
   static RC_DEVICE float load(Raw v) { return f16_bits_to_float(v); }
   static RC_DEVICE Raw store(float v) { return float_to_f16_bits(v); }
+  static RC_DEVICE uint32_t store2_not_nan(float lo, float hi) { return float2_to_f16x2_bits_not_nan(lo, hi); }
 };
 
 // A vector V seen as its N elements of D.
@@ -36,6 +38,33 @@ union ElemPack {
   V v;
   typename Elem<D>::Raw e[N];
 };
+
+// acc rounded to D into p's elements, as E::store rounds each. Elements of
+// 16 bits go two at a time unless a value is NaN (rare: one test and branch
+// per vector, not a NaN fix per element).
+template <DType D, typename V>
+RC_DEVICE void round_into(ElemPack<D, V>& p, const float (&acc)[ElemPack<D, V>::N]) {
+  using E = Elem<D>;
+  constexpr int N = ElemPack<D, V>::N;
+  bool pairs = sizeof(typename E::Raw) == 2 && N % 2 == 0;
+  if constexpr (sizeof(typename E::Raw) == 2 && N % 2 == 0) {
+    bool nan = false;
+#pragma unroll
+    for (int k = 0; k < N; ++k) nan = nan || acc[k] != acc[k];
+    pairs = !__builtin_expect(nan, false);
+    if (pairs) {
+      uint32_t w[N / 2];
+#pragma unroll
+      for (int k = 0; k < N; k += 2) w[k / 2] = E::store2_not_nan(acc[k], acc[k + 1]);
+      static_assert(sizeof(w) == sizeof(V), "pairs fill the vector");
+      __builtin_memcpy(&p.v, w, sizeof(V));
+    }
+  }
+  if (!pairs) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) p.e[k] = E::store(acc[k]);
+  }
+}
 
 // Vector v of the sum over the sources selected by `mask`, in ascending rank
 // order, in fp32, rounded once; zeros when the mask is empty.
@@ -58,12 +87,8 @@ RC_DEVICE V sum_one(const ConstRankPtrs& src, uint32_t mask, uint32_t v) {
     first = false;
   }
   Pack o;
-  if (first) {
-    o.v = V{};
-  } else {
-#pragma unroll
-    for (int k = 0; k < N; ++k) o.e[k] = E::store(acc[k]);
-  }
+  if (first) o.v = V{};
+  else round_into<D, V>(o, acc);
   return o.v;
 }
 
