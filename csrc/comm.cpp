@@ -250,7 +250,7 @@ at::Tensor Comm::all_reduce(const at::Tensor& x) {
   TORCH_CHECK_TYPE(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, op,
                    ": x must be torch.float32, torch.bfloat16 or torch.float16, got ", dtype_name(st));
   check_contiguous(op, "x", x);
-  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor out = empty(x.sizes(), st);
   if (cfg_.world == 1) return out.copy_(x);
   all_reduce_into(st, static_cast<const char*>(x.data_ptr()), static_cast<char*>(out.data_ptr()), x.numel(),
                   /*gpu=*/cfg_.transport == "gpu");
@@ -293,8 +293,8 @@ std::pair<at::Tensor, at::Tensor> Comm::all_reduce_rmsnorm(const at::Tensor& x,
   TORCH_CHECK_VALUE(std::isfinite(eps) && eps > 0 && std::isfinite(float(eps)), op,
                     ": eps must be a finite float > 0, got ", eps);
 
-  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
-  at::Tensor res_out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor out = empty(x.sizes(), x.scalar_type());
+  at::Tensor res_out = empty(x.sizes(), x.scalar_type());
   const int64_t T = x.numel() / H, elt = x.element_size(), row_bytes = H * elt;
   if (T == 0) return {out, res_out};
   const bool gpu = cfg_.transport == "gpu";
@@ -340,19 +340,21 @@ std::pair<at::Tensor, at::Tensor> Comm::all_reduce_rmsnorm(const at::Tensor& x,
   return {out, res_out};
 }
 
+at::Tensor Comm::empty(at::IntArrayRef sizes, at::ScalarType dtype) const {
+  return at::empty(sizes, at::TensorOptions().device(device()).dtype(dtype));
+}
+
 Dispatched Comm::allocate_dispatched(int64_t ntok, at::ScalarType idx_dtype,
                                      c10::optional<at::ScalarType> weights_dtype) const {
   const int64_t rows = int64_t(cfg_.world) * cfg_.cap;
-  auto opts = at::TensorOptions().device(device());
-  auto i32 = opts.dtype(at::kInt);
   Dispatched d;
-  d.x = at::empty({rows, cfg_.hidden}, opts.dtype(cfg_.dtype));
-  d.topk_idx = at::empty({rows, cfg_.topk}, opts.dtype(idx_dtype));
-  d.topk_weights = at::empty({weights_dtype ? rows : 0, cfg_.topk}, opts.dtype(weights_dtype.value_or(at::kFloat)));
-  d.counts = at::empty({cfg_.world}, i32);
-  d.recv_src = at::empty({rows}, i32);
-  d.src_tokens = at::empty({cfg_.world}, i32);
-  d.send_mask = at::empty({ntok}, i32);
+  d.x = empty({rows, cfg_.hidden}, cfg_.dtype);
+  d.topk_idx = empty({rows, cfg_.topk}, idx_dtype);
+  d.topk_weights = empty({weights_dtype ? rows : 0, cfg_.topk}, weights_dtype.value_or(at::kFloat));
+  d.counts = empty({cfg_.world}, at::kInt);
+  d.recv_src = empty({rows}, at::kInt);
+  d.src_tokens = empty({cfg_.world}, at::kInt);
+  d.send_mask = empty({ntok}, at::kInt);
   return d;
 }
 
@@ -432,7 +434,7 @@ at::Tensor Comm::combine(const at::Tensor& y, const at::Tensor& recv_src, const 
   TORCH_CHECK_VALUE(send_mask.dim() == 1 && send_mask.size(0) <= cfg_.cap, op,
                     ": handle.send_mask must have shape [T] with T <= ", cfg_.cap, ", got ",
                     shape_str(send_mask));
-  at::Tensor out = at::empty({send_mask.size(0), cfg_.hidden}, y.options());
+  at::Tensor out = empty({send_mask.size(0), cfg_.hidden}, y.scalar_type());
   combine_impl(y, recv_src, counts, src_tokens, send_mask, out);
   return out;
 }

@@ -108,6 +108,10 @@ class Comm {
   virtual std::string finish() = 0;
 
   virtual at::Device device() const = 0;
+  // A fresh contiguous output on device(). Transports may allocate it more
+  // cheaply than at::empty does (no dispatcher round per tensor: dispatch
+  // makes seven).
+  virtual at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype) const;
   // Raises if an earlier op failed (e.g. timed out); ops call it on entry.
   virtual void check() = 0;
 

@@ -2,6 +2,7 @@
 // export/import, peer access, the init-time P2P probe) and the torch glue
 // that launches the kernels (csrc/gpu/*.cu, interface kernels.h) on the
 // current stream.
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -174,6 +175,10 @@ class GpuComm final : public Comm {
   }
 
   at::Device device() const override { return at::Device(at::kCUDA, c10::DeviceIndex(cfg_.device_index)); }
+
+  at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype) const override {
+    return at::detail::empty_cuda(sizes, dtype, device(), c10::nullopt);
+  }
 
   void check() override {
     const uint64_t word = __atomic_load_n(error_host_, __ATOMIC_ACQUIRE);
