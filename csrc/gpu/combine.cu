@@ -60,16 +60,18 @@ RC_DEVICE int64_t row_token(const CombineArgs& a, const Sources& src, int64_t ca
 // send_mask bit (ranks of the world only), each thread a strided share.
 // recv_src past the received rows is never read, so it is not checked.
 RC_DEVICE void check_handle_rows(const Env& env, const CombineArgs& a, const Sources& src) {
+  // 32-bit indices: W * cap rows fit (kMaxGpuTokensPerRank), and a
+  // kernel at the register limit keeps its loop state small.
   const int W = env.world;
-  const int64_t cap = env.layout.cap, stride = int64_t(gridDim.x) * blockDim.x;
-  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (int64_t j = first; j < src.offset[W]; j += stride) {
+  const int64_t cap = env.layout.cap;
+  const uint32_t stride = gridDim.x * blockDim.x, first = blockIdx.x * blockDim.x + threadIdx.x;
+  for (uint32_t j = first; j < uint32_t(src.offset[W]); j += stride) {
     int s = 0;
     while (j >= src.offset[s + 1]) ++s;
     if (row_token(a, src, cap, s, j) < 0 || (j > src.offset[s] && a.recv_src[j] <= a.recv_src[j - 1]))
       record_error(env, encode_bad_handle(kHandleRecvSrc, j, a.recv_src[j]));
   }
-  for (int64_t t = first; t < a.ntok; t += stride)
+  for (uint32_t t = first; t < uint32_t(a.ntok); t += stride)
     if (uint32_t(a.send_mask[t]) & ~all_ranks(env))
       record_error(env, encode_bad_handle(kHandleSendMask, t, a.send_mask[t]));
 }
@@ -132,13 +134,13 @@ RC_DEVICE void combine_sender(const Env& env, const CombineArgs& a, CombineShare
       sh.item_first[tid + 1] = uint32_t(nrows > 0 ? nrows : 0);
     }
     block_sync();
-    for_item_rows(sh.item_first, G, [&](int g, int64_t k, const RowGroups& rg) {
+    for_item_rows(sh.item_first, G, nvec, [&](int g, int64_t k, const RowSpan& rs) {
       const int s = sh.item_src[g];
       const int64_t j = sh.item_lo[g] + k;
       const int64_t t = row_token(a, sh.src, cap, s, j);
       if (t < 0) return;
       auto inbox_row = [&](int) { return L.combine_row(env.data[s], gen, me, t); };
-      with_copy_vector(vec, [&](auto tag) { copy_row<typename decltype(tag)::type, true>(y + j * payload, inbox_row, 1u, nvec, rg); });
+      with_copy_vector(vec, [&](auto tag) { copy_row<typename decltype(tag)::type, true>(y + j * payload, inbox_row, 1u, rs); });
     });
     block_sync();
     if (tid < G && sh.item_src[tid] >= 0)
@@ -146,28 +148,12 @@ RC_DEVICE void combine_sender(const Env& env, const CombineArgs& a, CombineShare
   }
 }
 
-// Block-wide: how many of keys[0, n) are below `key`, for ascending keys
-// (keys out of order give some count in [0, n]). Every thread probes one
-// key, and each round narrows the count to one gap between probes, so up to
-// blockDim^2 keys take two rounds of loads.
-RC_DEVICE int64_t count_below(const int32_t* keys, int64_t n, int32_t key) {
-  int64_t lo = 0, hi = n;  // the count lies in [lo, hi]
-  while (lo < hi) {
-    const int64_t step = ceil_div(hi - lo, blockDim.x), i = lo + int64_t(threadIdx.x) * step;
-    const int k = block_count(i < hi && keys[i] < key);  // the probes lo, lo + step, ... below key
-    if (k == 0) return lo;
-    const int64_t next_hi = lo + k * step < hi ? lo + k * step : hi;
-    lo += (k - 1) * step + 1;
-    hi = next_hi;
-  }
-  return lo;
-}
-
 // Each token's output: its rows from every destination rank, summed in
 // ascending rank order (sum_row). Peers' rows come from the inbox, at the
 // token's slot; this rank's own from y, at the token's place among its own
-// rows (dispatch laid them out in token order, so recv_src gives the place of
-// the block's first token). Block j takes a range of the tokens
+// rows (dispatch laid them out in token order: the block's first token's
+// comes after one row per earlier token whose send_mask has this rank).
+// Block j takes a range of the tokens
 // (ep_own_block_tokens each) and the chunks that overlap it, a group of them
 // at a time: thread (g, r) waits for chunk g's flag from peer r, then the
 // group's tokens in the range are summed in batches of a block.
@@ -182,11 +168,19 @@ RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineSha
   const int64_t t0 = int64_t(j) * per, t1 = t0 + per < T ? t0 + per : T;
   if (t0 >= t1) return;
   const int G = group_size(C);
+  const uint32_t nsum = uint32_t(payload / row_vector_bytes<D>(vec));
   const char* y = static_cast<const char*>(a.y);
   char* out = static_cast<char*>(a.out);
   const int64_t own_base = sh.src.offset[me];
-  const int64_t own_before = count_below(a.recv_src + own_base, sh.src.nrows[me], int32_t(me * L.cap + t0));
-  if (tid == 0) sh.run[0] = int32_t(own_before);
+  // The own rows before the block's, counted in the round that loads its
+  // first batch's masks (kept in sh.batch_mask).
+  int32_t own_before = 0;
+#pragma unroll 4
+  for (uint32_t t = tid; t < uint32_t(t0); t += nt) own_before += int32_t(uint32_t(a.send_mask[t]) >> me & 1u);
+  // The block's sum, a bit at a time: no count exceeds ceil(t0 / nt).
+  int32_t before = 0;
+  for (int b = 0; (int64_t(1) << b) <= ceil_div(t0, nt); ++b) before += block_count(own_before >> b & 1) << b;
+  if (tid == 0) sh.run[0] = before;
   const int64_t c_end = (t1 - 1) / C + 1;
   for (int64_t g0 = t0 / C; g0 < c_end; g0 += G) {
     const int64_t g1 = g0 + G < c_end ? g0 + G : c_end;
@@ -197,7 +191,8 @@ RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineSha
     const int64_t b_begin = g0 * C > t0 ? g0 * C : t0, b_end = g1 * C < t1 ? g1 * C : t1;
     for (int64_t b0 = b_begin; b0 < b_end; b0 += nt) {
       const int64_t t = b0 + tid;
-      const uint32_t m = t < b_end ? uint32_t(a.send_mask[t]) & all_ranks(env) : 0u;  // other bits: check_handle_rows
+      const uint32_t mask = t < b_end ? uint32_t(a.send_mask[t]) : 0u;
+      const uint32_t m = mask & all_ranks(env);  // other bits: check_handle_rows
       int32_t pos[kMaxGpuWorld];
       batch_positions(m >> me & 1u, 1, pos, sh.warp_tot, sh.run);
       sh.batch_mask[tid] = m;
@@ -205,18 +200,16 @@ RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineSha
       sh.own_row[tid] = int32_t(own_base + pos[0] < rows ? own_base + pos[0] : rows - 1);
       block_sync();
       const int64_t batch = b_end - b0 < nt ? b_end - b0 : nt;
-      const RowGroups rg = row_groups(batch);
-      for (int64_t i = rg.group; i < batch; i += rg.groups) {
+      for_row_pieces(batch, nsum, [&](int64_t i, const RowSpan& s) {
         const int64_t tok = b0 + i;
         const int64_t own_row = sh.own_row[i];
         auto row_of = [&](int rr) {
           return rr == me ? y + own_row * payload : L.combine_row(env.data[me], gen, rr, tok);
         };
         with_row_vector<D>(vec, [&](auto tag) {
-          using V = typename decltype(tag)::type;
-          sum_row<D, V>(row_of, sh.batch_mask[i], out + tok * payload, uint32_t(payload / sizeof(V)), rg);
+          sum_row<D, typename decltype(tag)::type>(row_of, sh.batch_mask[i], out + tok * payload, s);
         });
-      }
+      });
       block_sync();
     }
   }

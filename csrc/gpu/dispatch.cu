@@ -47,6 +47,9 @@ RC_DEVICE void store_weight(void* w, int64_t i, DType t, float v) {
 // destination d follow those of the chunks before it; the block learns how
 // many that is from the other blocks' tallies (a published count per block,
 // no block scans tokens but its own). False (on every thread) when a wait failed.
+// Routing slots of a row per lane of its lead warp.
+constexpr int kSlotsPerLane = (kMaxTopk + kMinWarpSize - 1) / kMinWarpSize;
+
 template <typename IdxT, int KF>
 RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, DispatchShared& sh, uint64_t gen, int b,
                                int nblocks, int vec) {
@@ -55,9 +58,8 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, DispatchSh
   const Routing<IdxT, KF> route{static_cast<const IdxT*>(a.topk_idx), int(L.topk), a.num_experts,
                                 a.num_experts / W, W};
   const int K = route.topk();
-  const int64_t T = a.ntok, C = ep_own_block_tokens(T, W, env.sm_count);
+  const int64_t payload = L.hidden * L.elt, T = a.ntok, C = ep_own_block_tokens(T, W, env.sm_count);
   const int64_t t0 = b * C, t1 = t0 + C < T ? t0 + C : T;
-  const int64_t payload = L.hidden * L.elt;
   const uint32_t nvec = uint32_t(payload / vec);
   const char* x = static_cast<const char*>(a.x);
   char* out_x = static_cast<char*>(a.out_x);
@@ -90,17 +92,19 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, DispatchSh
     if (tb == t0 && tid < W) sh.first_rows[tid] = sh.run[tid];
   }
   // Tally: this block's counts for the blocks after it (released at device
-  // scope after the barrier, acquired by them), the sum of the earlier
-  // blocks' into sh.prefix. Every block publishes before it waits, and the
-  // grid is resident (the launch policy), so the waits end.
+  // scope after the barrier, acquired by them; the last block has none),
+  // the sum of the earlier blocks' into sh.prefix. Every block publishes
+  // before it waits, and the grid is resident (the launch policy), so the
+  // waits end.
   TallySlot* mine = L.tally(env.sig[me], b);
+  const bool tally = b + 1 < nblocks;
   if (tid < W) {
-    mine->rows[tid] = uint32_t(sh.run[tid]);
+    if (tally) mine->rows[tid] = uint32_t(sh.run[tid]);
     sh.chunk_rows[tid] = sh.run[tid];
     sh.prefix[tid] = 0;
   }
   block_sync();
-  if (tid == 0) store_release_device(&mine->gen, gen);
+  if (tid == 0 && tally) store_release_device(&mine->gen, gen);
   bool ok = true;
   if (tid < b) {
     const TallySlot* before = L.tally(env.sig[me], tid);
@@ -142,28 +146,43 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, DispatchSh
       if (!one_batch) route_batch(tb, false, true);
       block_sync();
       const int64_t batch = t1 - tb < nt ? t1 - tb : nt;
-      const RowGroups g = row_groups(batch);
-      for (int64_t r = g.group; r < batch; r += g.groups) {
+      for_row_pieces(batch, nvec, [&](int64_t r, const RowSpan& s) {
         const uint32_t tm = sh.batch_mask[r] & dests;
-        if (tm == 0) continue;
+        if (tm == 0) return;
         const int64_t tok = tb + r;
-        // Destination d's row: this rank's output, or d's heap.
+        // Destination d's row: j of the rows this rank sends it; this
+        // rank's own go to the output, after the lower ranks' rows.
+        auto row_index = [&](int d) { return int64_t(sh.prefix[d]) + sh.batch_pos[r][d]; };
         auto row_at = [&](int d) {
-          const int64_t j = sh.prefix[d] + sh.batch_pos[r][d];
-          return d == me ? out_x + (self_base + j) * payload : L.dispatch_row(env.data[d], gen, me, j);
+          return d == me ? out_x + (self_base + row_index(d)) * payload
+                         : L.dispatch_row(env.data[d], gen, me, row_index(d));
         };
-        with_copy_vector(vec, [&](auto tag) { copy_row<typename decltype(tag)::type, true>(x + tok * payload, row_at, tm, nvec, g); });
-        // Routing: each slot's id and weight are loaded once for every destination.
-        for (int k = int(g.first); k < K; k += int(g.stride)) {
-          const int64_t e = int64_t(route.idx[tok * K + k]);
+        // Routing: each slot's id and weight are loaded once for every
+        // destination, by the row's lead warp, before the copy so the loads overlap.
+        int64_t slot_id[kSlotsPerLane];
+        float slot_w[kSlotsPerLane];
+#pragma unroll
+        for (int i = 0; i < kSlotsPerLane; ++i) {
+          const int k = int(s.first + i * s.stride);
+          if (!s.lead || k >= K) continue;
+          slot_id[i] = int64_t(route.idx[tok * K + k]);
+          slot_w[i] = a.topk_weights ? load_weight(a.topk_weights, tok * K + k, a.weights_dtype) : 0.f;
+        }
+        with_copy_vector(vec, [&](auto tag) { copy_row<typename decltype(tag)::type, true>(x + tok * payload, row_at, tm, s); });
+        if (!s.lead) return;
+#pragma unroll
+        for (int i = 0; i < kSlotsPerLane; ++i) {
+          const int k = int(s.first + i * s.stride);
+          if (k >= K) continue;
+          const int64_t e = slot_id[i];
           const int owner = expert_owner(e, a.num_experts, route.epr, W);
-          const float w = a.topk_weights ? load_weight(a.topk_weights, tok * K + k, a.weights_dtype) : 0.f;
+          const float w = slot_w[i];
           for (uint32_t m = tm; m != 0; m &= m - 1) {
             const int d = lowest_bit(m);
             const int64_t id = owner == d ? e - d * route.epr : -1;
             const float wd = owner == d ? w : 0.f;
             if (d == me) {
-              const int64_t o = (self_base + sh.prefix[d] + sh.batch_pos[r][d]) * K + k;
+              const int64_t o = (self_base + row_index(d)) * K + k;
               out_idx[o] = IdxT(id);
               if (a.out_weights) store_weight(a.out_weights, o, a.weights_dtype, wd);
             } else {
@@ -173,16 +192,14 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, DispatchSh
             }
           }
         }
-        if (g.first == 0) {
+        if (s.first == 0) {
           for (uint32_t m = tm; m != 0; m &= m - 1) {
             const int d = lowest_bit(m);
-            if (d == me)
-              a.out_recv_src[self_base + sh.prefix[d] + sh.batch_pos[r][d]] = int32_t(me * L.cap + tok);
-            else
-              *L.row_token(row_at(d)) = int32_t(tok);
+            if (d == me) a.out_recv_src[self_base + row_index(d)] = int32_t(me * L.cap + tok);
+            else *L.row_token(row_at(d)) = int32_t(tok);
           }
         }
-      }
+      });
       block_sync();
     }
   };
@@ -263,18 +280,19 @@ RC_DEVICE bool dispatch_receiver(const Env& env, const DispatchArgs& a, Dispatch
       sh.item_first[tid + 1] = nrows;
     }
     if (!block_all(got)) return false;
-    for_item_rows(sh.item_first, G, [&](int g, int64_t row_in_item, const RowGroups& rg) {
+    for_item_rows(sh.item_first, G, nvec, [&](int g, int64_t row_in_item, const RowSpan& rs) {
       const int s = sh.item_src[g];
       const int64_t hr = sh.item_row_start[g] + row_in_item;  // the source's row
       const int64_t o = sh.src.offset[s] + hr;                // its output row
-      const char* row = L.dispatch_row(env.data[me], gen, s, hr);
+      char* row = L.dispatch_row(env.data[me], gen, s, hr);
       auto out_row = [&](int) { return out_x + o * payload; };
-      with_copy_vector(vec, [&](auto tag) { copy_row<typename decltype(tag)::type, false>(row, out_row, 1u, nvec, rg); });
-      for (int k = int(rg.first); k < K; k += int(rg.stride)) {
-        out_idx[o * K + k] = IdxT(L.row_ids(const_cast<char*>(row))[k]);
-        if (a.out_weights) store_weight(a.out_weights, o * K + k, a.weights_dtype, L.row_weights(const_cast<char*>(row))[k]);
+      with_copy_vector(vec, [&](auto tag) { copy_row<typename decltype(tag)::type, false>(row, out_row, 1u, rs); });
+      if (!rs.lead) return;
+      for (int k = int(rs.first); k < K; k += int(rs.stride)) {
+        out_idx[o * K + k] = IdxT(L.row_ids(row)[k]);
+        if (a.out_weights) store_weight(a.out_weights, o * K + k, a.weights_dtype, L.row_weights(row)[k]);
       }
-      if (rg.first == 0) a.out_recv_src[o] = int32_t(s * cap + *L.row_token(const_cast<char*>(row)));
+      if (rs.first == 0) a.out_recv_src[o] = int32_t(s * cap + *L.row_token(row));
     });
     block_sync();
   }
