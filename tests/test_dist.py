@@ -25,6 +25,27 @@ from rdna4_comm.transport_policy import HOST_ID_ENV, RankReport, choose_transpor
 SETTINGS = settings(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, max_examples=examples(15))
 
 # ------------------------------------------------------- dist == cpu, bitwise
+#
+# Both transports on one device, the CPU: where the ranks see a GPU, "dist"
+# runs on it, and a GPU's arithmetic (its NaN, its matmuls) is not the CPU's.
+# So these worlds hide the GPUs from their ranks.
+
+
+@pytest.fixture(scope="module")
+def cpu_worlds():
+    """cpu_worlds(size) -> a World of CPU ranks that see no GPU (one per size, for this module)."""
+    cache: dict = {}
+    no_gpu = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": ""}
+
+    def get(size: int) -> World:
+        if size not in cache or not cache[size].alive:
+            cache[size] = World(size, "cpu", env_of_rank={r: no_gpu for r in range(size)})
+        return cache[size]
+
+    yield get
+    for w in cache.values():
+        w.close()
+
 
 AR_CASES = [((1,), torch.float32), ((3, 700), torch.float32), ((70_000,), torch.float32),
             ((5, 9), torch.bfloat16), ((40_000,), torch.float16)]
@@ -39,7 +60,6 @@ def special_values(rank: int) -> torch.Tensor:
 def t_same_inputs_on_both(ctx, cfg, cases):
     by_transport = {}
     for transport in ("cpu", "dist"):
-        # "dist" runs on the GPU wherever every rank sees one, CPU worlds included.
         comm = ctx.comm(transport=transport, **cfg)
         dev = comm.device
         outs = []
@@ -56,10 +76,10 @@ def t_same_inputs_on_both(ctx, cfg, cases):
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
-def test_dist_gives_the_bits_of_the_cpu_transport(worlds, size):
+def test_dist_gives_the_bits_of_the_cpu_transport(cpu_worlds, size):
     cfg = ep_config(10, 24, 5, 3 * size, torch.bfloat16)
     cases = [(s, [10 - (r * 3) % 11 for r in range(size)], kind, s % 2 == 0) for s, kind in enumerate(ROUTINGS)]
-    for r, result in enumerate(worlds("cpu", size).run(t_same_inputs_on_both, cfg, cases)):
+    for r, result in enumerate(cpu_worlds(size).run(t_same_inputs_on_both, cfg, cases)):
         (cpu_ep, cpu_sums), (dist_ep, dist_sums) = result["cpu"], result["dist"]
         for i, ((d_cpu, z_cpu, o_cpu), (d_dist, z_dist, o_dist)) in enumerate(zip(cpu_ep, dist_ep)):
             assert_dispatched(d_dist, d_cpu, f"case {i} rank {r}")
@@ -87,8 +107,8 @@ def t_compiled_layer_on_both(ctx, seed):
     return outs
 
 
-def test_compiled_layer_over_dist_gives_the_bits_of_the_cpu_transport(worlds):
-    for outs in worlds("cpu", 2).run(t_compiled_layer_on_both, 3):
+def test_compiled_layer_over_dist_gives_the_bits_of_the_cpu_transport(cpu_worlds):
+    for outs in cpu_worlds(2).run(t_compiled_layer_on_both, 3):
         for (out_dist, sum_dist), (out_cpu, sum_cpu) in zip(outs["dist"], outs["cpu"]):
             assert_bitwise(out_dist, out_cpu, "compiled layer, dist vs cpu")
             assert_bitwise(sum_dist, sum_cpu, "compiled all_reduce, dist vs cpu")
