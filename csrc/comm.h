@@ -157,8 +157,9 @@ class Comm {
   // The handle is user input: every value that picks a row, a chunk or a
   // rank is checked before the first protocol step, so a bad one raises a
   // ValueError and the communicator stays usable. For handles the host can
-  // read (the CPU transport); the GPU kernel checks the same values
-  // (combine.cu) and check() reports them (device_bad_handle_message).
+  // read (the CPU transport, and "dist" on CPUs); the GPU kernel checks the
+  // same values (combine.cu) and check() reports them
+  // (device_bad_handle_message).
   void check_handle_values(const int32_t* recv_src, const int32_t* counts, const int32_t* src_tokens,
                            const int32_t* send_mask, int64_t ntok) const;
   // "combine: handle.<field>[index] = value is out of range: expected ...".

@@ -364,8 +364,10 @@ def t_bad_handle(ctx, case):
 
 
 @pytest.mark.parametrize("case", sorted(HANDLE_CASES))
-@pytest.mark.parametrize("transport,size", WORLDS, ids=[f"{t}{w}" for t, w in WORLDS])
+@pytest.mark.parametrize("transport,size", WORLDS + [("dist", 2)], ids=[f"{t}{w}" for t, w in WORLDS + [("dist", 2)]])
 def test_bad_handle_values_raise_and_write_nothing_out_of_bounds(worlds, transport, size, case):
+    if transport == "dist" and torch.cuda.is_available() and rc._C.with_gpu:
+        pytest.skip("dist runs on the GPU here, where it does not check handle values (docs/semantics.md)")
     results = worlds(transport, size).run(t_bad_handle, case)
     _, ref = ep_reference(size)
     kind = "RuntimeError" if transport == "gpu" else "ValueError"

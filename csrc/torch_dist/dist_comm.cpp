@@ -211,13 +211,19 @@ class DistComm final : public Comm {
   // the slot of its source token ([W source][cap] rows of H); then every
   // source sums its tokens' rows over their destinations (send_mask bits),
   // ascending, in fp32 from the first term, rounded once.
-  void combine_impl(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor&, const at::Tensor&,
-                    const at::Tensor& send_mask, at::Tensor& out) override {
+  // A handle on the CPU is checked first, by the CPU transport's checker
+  // (a ValueError before the exchange: the peers wait for the repeated
+  // call). On a GPU it is not: reading it would synchronise every combine.
+  void combine_impl(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
+                    const at::Tensor& src_tokens, const at::Tensor& send_mask, at::Tensor& out) override {
     const int W = cfg_.world;
     const int64_t cap = cfg_.cap, H = cfg_.hidden, T = send_mask.size(0);
+    if (!y.is_cuda())
+      check_handle_values(recv_src.data_ptr<int32_t>(), counts.data_ptr<int32_t>(), src_tokens.data_ptr<int32_t>(),
+                          send_mask.data_ptr<int32_t>(), T);
     const uint64_t gen = next_generation(kOpCombine);
-    // Padding rows (and any value outside [0, W*cap) of a forged handle) land
-    // in an extra slot that is never sent.
+    // Padding rows (and, on a GPU, any value outside [0, W*cap) of a forged
+    // handle) land in an extra slot that is never sent.
     const at::Tensor slot_of = recv_src.to(at::kLong);
     const at::Tensor slot = at::where((slot_of >= 0) & (slot_of < W * cap), slot_of, W * cap);
     at::Tensor send = at::empty({W * cap + 1, H}, y.options());
