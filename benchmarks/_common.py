@@ -38,7 +38,8 @@ def parse_args(description: str, argv=None, extra=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a small subset of configurations (a few seconds on CPUs)")
     p.add_argument("--transport", choices=("auto", "cpu", "gpu"), default="auto",
-                   help="auto: one process per GPU with >= 2 usable GPUs, else CPU processes (default)")
+                   help="auto (default): the library's own choice for one process per GPU with >= 2 usable GPUs "
+                        "(gpu, or dist without peer access), else for CPU processes (cpu)")
     p.add_argument("--world", type=int, help="number of processes (default: every GPU, or 2 CPU processes)")
     p.add_argument("--rounds", type=int, help="rounds; backends alternate order between rounds "
                    f"(default {ROUNDS_SAMPLES['gpu'][0]} on GPUs, {ROUNDS_SAMPLES['cpu'][0]} on CPUs, "

@@ -145,12 +145,13 @@ class RankContext:
 
 def bench_rank(member: Member, transport: str) -> RankContext:
     """A rank of a benchmark or demo world: one process per GPU (transport
-    "gpu", with NCCL for the baselines) or a CPU process."""
+    "gpu", or "dist" where GPUs are usable; NCCL for the baselines) or a CPU
+    process."""
     # The CPU reference checks are the only heavy host work; share the cores.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // member.world))
-    device = torch.device("cuda", member.rank) if transport == "gpu" else torch.device("cpu")
-    return RankContext(member.rank, member.world, transport, device, member.init_method,
-                       nccl=transport == "gpu", member=member)
+    on_gpu = transport == "gpu" or (transport == "dist" and usable_gpus() > 0)
+    device = torch.device("cuda", member.rank) if on_gpu else torch.device("cpu")
+    return RankContext(member.rank, member.world, transport, device, member.init_method, nccl=on_gpu, member=member)
 
 
 def one_rank(device: str) -> RankContext:

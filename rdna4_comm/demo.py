@@ -180,7 +180,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m rdna4_comm.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--transport", choices=("auto", "cpu", "gpu"), default="auto",
-                   help="auto (default): GPUs when >= 2 are usable, else CPU processes")
+                   help="auto (default): the library's own choice for one process per GPU when >= 2 are usable "
+                        "(gpu, or dist without peer access), else for CPU processes (cpu)")
     p.add_argument("--world", type=int, help="processes (default: every GPU, or 2 CPU processes)")
     p.add_argument("--rounds", type=int, default=4, help="timing rounds (default 4)")
     p.add_argument("--samples", type=int, default=10, help="timed calls per backend per round (default 10)")

@@ -53,14 +53,19 @@ class RankReport(NamedTuple):
     no_peer_access: tuple  # uuids of the GPUs it sees that its GPU cannot access as a peer
 
 
+def device_report(dev: Optional[int]) -> RankReport:
+    """The :class:`RankReport` of a rank of this host on GPU ``dev`` (None: no GPU)."""
+    if dev is None:
+        return RankReport(host_identity(), None, ())
+    blocked = tuple(_gpu_uuid(d) for d in range(torch.cuda.device_count())
+                    if d != dev and not torch.cuda.can_device_access_peer(dev, d))
+    return RankReport(host_identity(), _gpu_uuid(dev), blocked)
+
+
 def rank_report() -> RankReport:
     """This rank's :class:`RankReport`."""
-    if not (_C.with_gpu and torch.cuda.is_available()):
-        return RankReport(host_identity(), None, ())
-    me = torch.cuda.current_device()
-    blocked = tuple(_gpu_uuid(d) for d in range(torch.cuda.device_count())
-                    if d != me and not torch.cuda.can_device_access_peer(me, d))
-    return RankReport(host_identity(), _gpu_uuid(me), blocked)
+    on_gpu = _C.with_gpu and torch.cuda.is_available()
+    return device_report(torch.cuda.current_device() if on_gpu else None)
 
 
 class TransportChoice(NamedTuple):

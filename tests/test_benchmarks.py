@@ -276,3 +276,23 @@ esac
     fake.write_text("#!/bin/sh\necho '==ERROR== ERR_NVGPUCTRPERM' >&2\nexit 1\n")
     got, why = ncu.run_ncu(str(fake), bk.ncu_child_command([]), expected, bk.NCU_OPS)
     assert got is None and "exited with 1" in why and "ERR_NVGPUCTRPERM" in why
+
+
+def test_auto_world_is_the_library_choice_for_one_process_per_gpu():
+    """--transport auto (benchmarks, demo) means what it means to a
+    Communicator: choose_transport over the world's ranks, here one process
+    per usable GPU where there are 2 or more, else 2 CPU processes."""
+    from rdna4_comm._bench.world import resolve_world
+    from rdna4_comm._ranks import usable_gpus
+    from rdna4_comm.transport_policy import choose_transport, device_report
+
+    gpus = usable_gpus()
+    transport, world = resolve_world("auto")
+    if gpus < 2:
+        assert (transport, world) == ("cpu", 2)
+    else:
+        reports = [device_report(d) for d in range(gpus)]
+        expected = choose_transport("auto", reports, with_gpu=True, allow_shared_gpu=False).transport
+        assert (transport, world) == (expected, gpus) and transport in ("gpu", "dist")
+    assert resolve_world("auto", 3)[1] == 3
+    assert resolve_world("cpu") == ("cpu", 2)

@@ -1,6 +1,7 @@
 """The world the benchmarks and the demo run in: one process per GPU
-(transport "gpu") or plain CPU processes (transport "cpu"), each with its
-process groups set up (rdna4_comm._ranks.bench_rank); rank 0 streams
+(transport "gpu", or "dist" where the GPUs lack peer access) or plain CPU
+processes (transport "cpu"), each with its process groups set up
+(rdna4_comm._ranks.bench_rank); rank 0 streams
 messages back to the launching process. (A world of one process, the
 calling one, for benchmarks/bench_kernels.py: rdna4_comm._ranks.one_rank.)"""
 from __future__ import annotations
@@ -14,14 +15,21 @@ import torch
 from .. import _C
 from .._launch import ProcessWorld
 from .._ranks import RankContext, bench_rank, usable_gpus
+from ..transport_policy import choose_transport, device_report
 
 
 def resolve_world(transport: str = "auto", world: Optional[int] = None) -> tuple[str, int]:
-    """(transport, world size) for a launch. "auto": one process per GPU when at
-    least 2 GPUs are usable, else 2 CPU processes. ``world`` overrides the size."""
+    """(transport, world size) for a launch. "auto" means what it means to a
+    Communicator: the library's choice (choose_transport) for the ranks of the
+    world, one process per usable GPU where there are at least 2 (so "gpu",
+    or "dist" without peer access), else 2 CPU processes ("cpu"). ``world``
+    overrides the size."""
     gpus = usable_gpus()
     if transport == "auto":
-        transport = "gpu" if gpus >= 2 else "cpu"
+        reports = [device_report(d) for d in range(gpus)] if gpus >= 2 else [device_report(None)] * 2
+        transport = choose_transport("auto", reports, with_gpu=bool(_C.with_gpu), allow_shared_gpu=False).transport
+        if transport == "dist":
+            return transport, gpus if world is None else world
     if transport == "gpu":
         if gpus == 0:
             raise ValueError(
