@@ -11,11 +11,13 @@ from . import ops as _ops  # noqa: F401  (schemas and fakes)
 from . import reference
 from .algorithms import all_reduce_rmsnorm_algorithm, all_reduce_rmsnorm_row_in_registers, allreduce_algorithm
 from .communicator import Communicator
+from .fp8 import dequantize_fp8, quantize_fp8
 from .results import DispatchHandle, Dispatched
 from .ops import mark_dynamic_tokens
 
 __all__ = [
     "Communicator", "Dispatched", "DispatchHandle", "all_reduce_rmsnorm_algorithm",
-    "all_reduce_rmsnorm_row_in_registers", "allreduce_algorithm", "mark_dynamic_tokens", "reference",
+    "all_reduce_rmsnorm_row_in_registers", "allreduce_algorithm", "dequantize_fp8", "mark_dynamic_tokens",
+    "quantize_fp8", "reference",
 ]
 __version__ = "0.1.0"

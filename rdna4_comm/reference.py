@@ -1,6 +1,7 @@
 """Dense single-process reference: given every rank's inputs (lists indexed by
 rank), what every rank must get from dispatch, combine, all_reduce and
-all_reduce_rmsnorm.
+all_reduce_rmsnorm; and the FP8 rule (:func:`quantize_fp8`,
+:func:`dequantize_fp8`, from rdna4_comm/fp8.py).
 
 Pure torch. Sums run in float32 in ascending rank order and round once, the
 order the transports use, so results are comparable bitwise. The fused op's
@@ -13,6 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .fp8 import dequantize_fp8, quantize_fp8  # noqa: F401  (the FP8 rule is part of the spec)
 from .results import DispatchHandle, Dispatched
 
 
