@@ -38,6 +38,9 @@ namespace gpu {
 // wait for each other to finish, and the next kernel of the kind, started
 // after this one ended, reads the same value in every block. The host never
 // passes a generation, so a replayed graph keeps counting.
+// Every grid fits the counters: ep_grid_budget clamps the EP grids to
+// kMaxLaunchBlocks, allreduce_blocks and rmsnorm_blocks to kMaxAllReduceBlocks.
+static_assert(kMaxAllReduceBlocks <= kMaxLaunchBlocks, "a generation counter for every block of every grid");
 RC_DEVICE uint64_t op_generation(const Env& env, int op) {
   return *env.layout.counter(env.sig[env.rank], op, blockIdx.x) + 1;
 }
