@@ -172,8 +172,8 @@ RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineSha
   const char* y = static_cast<const char*>(a.y);
   char* out = static_cast<char*>(a.out);
   const int64_t own_base = sh.src.offset[me];
-  // The own rows before the block's, counted in the round that loads its
-  // first batch's masks (kept in sh.batch_mask).
+  // The own rows before the block's: each thread counts the own-rank bits
+  // of a strided share of send_mask[0, t0).
   int32_t own_before = 0;
 #pragma unroll 4
   for (uint32_t t = tid; t < uint32_t(t0); t += nt) own_before += int32_t(uint32_t(a.send_mask[t]) >> me & 1u);
@@ -191,8 +191,7 @@ RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineSha
     const int64_t b_begin = g0 * C > t0 ? g0 * C : t0, b_end = g1 * C < t1 ? g1 * C : t1;
     for (int64_t b0 = b_begin; b0 < b_end; b0 += nt) {
       const int64_t t = b0 + tid;
-      const uint32_t mask = t < b_end ? uint32_t(a.send_mask[t]) : 0u;
-      const uint32_t m = mask & all_ranks(env);  // other bits: check_handle_rows
+      const uint32_t m = t < b_end ? uint32_t(a.send_mask[t]) & all_ranks(env) : 0u;  // other bits: check_handle_rows
       int32_t pos[kMaxGpuWorld];
       batch_positions(m >> me & 1u, 1, pos, sh.warp_tot, sh.run);
       sh.batch_mask[tid] = m;

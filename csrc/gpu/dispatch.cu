@@ -42,14 +42,14 @@ RC_DEVICE void store_weight(void* w, int64_t i, DType t, float v) {
   }
 }
 
+// Routing slots of a row per lane of its lead warp.
+constexpr int kSlotsPerLane = (kMaxTopk + kMinWarpSize - 1) / kMinWarpSize;
+
 // Sender block b takes chunk b of this rank's tokens (ep_own_block_tokens
 // each) and sends each routed row to its destinations. A chunk's rows for
 // destination d follow those of the chunks before it; the block learns how
 // many that is from the other blocks' tallies (a published count per block,
 // no block scans tokens but its own). False (on every thread) when a wait failed.
-// Routing slots of a row per lane of its lead warp.
-constexpr int kSlotsPerLane = (kMaxTopk + kMinWarpSize - 1) / kMinWarpSize;
-
 template <typename IdxT, int KF>
 RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, DispatchShared& sh, uint64_t gen, int b,
                                int nblocks, int vec) {

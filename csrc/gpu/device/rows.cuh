@@ -28,8 +28,8 @@ struct RowSpan {
 };
 
 // Calls piece(r, span) for every row r of [0, rows) that this warp's piece
-// of the rows * n vectors touches, in ascending order. Pieces are whole
-// warp widths, so a lane's vectors keep their alignment within a row.
+// of the rows * n vectors touches, in ascending order. Each piece is a
+// whole number of warp widths long (the last one shorter).
 template <typename Piece>
 RC_DEVICE void for_row_pieces(int64_t rows, uint32_t n, Piece piece) {
   const int ws = warp_size(), nw = int(blockDim.x) / ws;
