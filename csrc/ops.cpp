@@ -250,6 +250,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   one_shot_max["gpu"] = kGpuOneShotMaxBytes;
   one_shot_max["dist"] = kCpuOneShotMaxBytes;  // the GPU threshold is tuned to the GPU kernels only
   testing.attr("one_shot_max_bytes") = one_shot_max;
+  testing.attr("max_launch_blocks") = kMaxLaunchBlocks;
 #ifdef RDNA4_COMM_WITH_GPU
   testing.def("occupy_gpu", &occupy_gpu, py::arg("device"), py::arg("fraction"), py::arg("ms"),
               "Keep `fraction` of the GPU's thread slots spinning for `ms` ms, on the current stream");

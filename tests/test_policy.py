@@ -38,10 +38,12 @@ def ceil_div(a, b):
     return -(-a // b)
 
 
-@pytest.mark.parametrize("sms", [1, 2, 8, H200_SMS])
+@pytest.mark.parametrize("sms", [1, 2, 8, H200_SMS, 400])
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_ep_grids_split_the_budget_by_streams_and_give_every_block_the_same_tokens(world, sms):
-    budget = max(2, sms * 3 // 4)
+    # 3/4 of the multiprocessors, and no more blocks than have a generation
+    # counter each (400 multiprocessors: more than any GPU has today).
+    budget = max(2, min(sms * 3 // 4, _C.testing.max_launch_blocks))
     own_share = max(1, min(budget * (world + 1) // (3 * world - 1), budget - 1, 128))
     assert _C.testing.ep_own_role_share(world, sms) == own_share
     for ntok in (0, 1, 8, 32, 98, 99, 128, 1000, 4096, 16384, 1 << 18):
@@ -82,6 +84,8 @@ def test_allreduce_blocks():
     assert _C.testing.allreduce_blocks((32 << 10) + 1, H200_SMS) == 2
     assert _C.testing.allreduce_blocks(64 << 20, H200_SMS) == H200_SMS // 2
     assert _C.testing.allreduce_blocks(64 << 20, 1) == 1  # a one-SM device still gets a block
+    # Every block of a grid has a generation counter (kMaxLaunchBlocks of them).
+    assert _C.testing.allreduce_blocks(1 << 40, 4000) <= _C.testing.max_launch_blocks
 
 
 def test_signal_region_does_not_grow_with_the_capacity():
