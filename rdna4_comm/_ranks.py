@@ -143,13 +143,19 @@ class RankContext:
         dist.destroy_process_group()
 
 
+def runs_on_gpus(transport: str) -> bool:
+    """Whether a rank of ``transport`` takes a GPU: "gpu" always, "dist" where
+    this process sees a usable GPU (then every rank of one host does)."""
+    return transport == "gpu" or (transport == "dist" and usable_gpus() > 0)
+
+
 def bench_rank(member: Member, transport: str) -> RankContext:
     """A rank of a benchmark or demo world: one process per GPU (transport
     "gpu", or "dist" where GPUs are usable; NCCL for the baselines) or a CPU
     process."""
     # The CPU reference checks are the only heavy host work; share the cores.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // member.world))
-    on_gpu = transport == "gpu" or (transport == "dist" and usable_gpus() > 0)
+    on_gpu = runs_on_gpus(transport)
     device = torch.device("cuda", member.rank) if on_gpu else torch.device("cpu")
     return RankContext(member.rank, member.world, transport, device, member.init_method, nccl=on_gpu, member=member)
 

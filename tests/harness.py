@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from rdna4_comm._launch import Member, ProcessWorld
-from rdna4_comm._ranks import RankContext
+from rdna4_comm._ranks import RankContext, runs_on_gpus
 
 TASK_TIMEOUT_S = float(os.environ.get("RDNA4_COMM_TEST_TASK_TIMEOUT_S", 300))
 
@@ -24,12 +24,10 @@ TASK_TIMEOUT_S = float(os.environ.get("RDNA4_COMM_TEST_TASK_TIMEOUT_S", 300))
 def _setup(member: Member, transport: str, env_of_rank: dict) -> RankContext:
     os.environ.update(env_of_rank.get(member.rank, {}))
     torch.set_num_threads(1)
-    import rdna4_comm as rc
 
     # Ranks share GPUs round-robin where there are fewer GPUs than ranks
     # (only with RDNA4_COMM_ALLOW_SHARED_GPU=1; see gpu_world_sizes).
-    # "dist" runs on the GPUs where every rank has one.
-    on_gpu = transport == "gpu" or (transport == "dist" and rc._C.with_gpu and torch.cuda.is_available())
+    on_gpu = runs_on_gpus(transport)
     device = torch.device("cuda", member.rank % torch.cuda.device_count()) if on_gpu else torch.device("cpu")
     return RankContext(member.rank, member.world, transport, device, member.init_method, member=member)
 

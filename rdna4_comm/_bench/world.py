@@ -28,12 +28,10 @@ def resolve_world(transport: str = "auto", world: Optional[int] = None) -> tuple
     if transport == "auto":
         reports = [device_report(d) for d in range(gpus)] if gpus >= 2 else [device_report(None)] * 2
         transport = choose_transport("auto", reports, with_gpu=bool(_C.with_gpu), allow_shared_gpu=False).transport
-        if transport == "dist":
-            return transport, gpus if world is None else world
-    if transport == "gpu":
+    if transport in ("gpu", "dist"):  # "dist" only from "auto": a world of GPU processes without peer access
         if gpus == 0:
             raise ValueError(
-                "transport 'gpu' needs GPUs and a GPU build of rdna4_comm "
+                f"transport {transport!r} needs GPUs and a GPU build of rdna4_comm "
                 f"(torch.cuda.is_available()={torch.cuda.is_available()}, rdna4_comm GPU support={_C.with_gpu})"
             )
         world = gpus if world is None else world
