@@ -82,13 +82,19 @@ struct ChunkSlot {  // dispatch: one per (parity, source, token chunk)
   uint32_t row_start;  // first row of this chunk within the source's rows
   uint32_t nrows;
 };
-// A dispatch sender block's rows per destination, for the sender blocks
-// after it (GPU transport, own memory: dispatch_prefix in dispatch.cu).
-struct TallySlot {
-  uint64_t gen;
-  uint32_t rows[kMaxGpuWorld];
-};
-static_assert(sizeof(HeadSlot) == 24 && sizeof(ChunkSlot) == 16 && sizeof(TallySlot) == 40, "slot layout");
+static_assert(sizeof(HeadSlot) == 24 && sizeof(ChunkSlot) == 16, "slot layout");
+
+// A dispatch sender block's rows for one destination, for the sender blocks
+// after it (GPU transport, own memory): one 64-bit word per (block,
+// destination) holding the generation above the row count. The count
+// travels in the word that announces it, so a relaxed 64-bit store
+// publishes it and a relaxed load reads it whole: no release, no acquire.
+// Readers wait for `tally_gen(word) >= gen` (as for flags: the word only
+// grows, one writer). A count is below 2^kTallyRowBits (at most cap rows).
+constexpr int kTallyRowBits = 24;
+RC_HD uint64_t tally_word(uint64_t gen, int64_t rows) { return gen << kTallyRowBits | uint64_t(rows); }
+RC_HD uint64_t tally_gen(uint64_t word) { return word >> kTallyRowBits; }
+RC_HD int32_t tally_rows(uint64_t word) { return int32_t(word & ((uint64_t(1) << kTallyRowBits) - 1)); }
 
 RC_HD size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 RC_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -120,6 +126,18 @@ RC_HD int64_t ep_max_chunks(int64_t cap) { return cap < kEpTargetChunks ? (cap <
 // Tokens per rank on the GPU transport: a received row's index (of W * cap)
 // fits the 22 bits a bad-handle word has for it (encode_bad_handle).
 constexpr int64_t kMaxGpuTokensPerRank = int64_t(1) << 18;
+static_assert(kMaxGpuTokensPerRank < (int64_t(1) << kTallyRowBits), "a tally word holds a block's row count");
+
+// Threads of every GPU block (the kernels' kThreads): the policies below
+// that depend on what one block does at once take it from here.
+constexpr int kGpuBlockThreads = 512;
+
+// Dispatch senders: where a rank's tokens fit one block, one thread each,
+// every sender block routes all of them (T x K ids, one load round) and
+// finds its own rows' positions itself; otherwise a block routes its own
+// range and adds up the earlier blocks' published counts (the tally), one
+// round more. Both give every row the same position.
+RC_HD bool dispatch_routes_all_tokens(int64_t ntok) { return ntok <= kGpuBlockThreads; }
 
 // all_reduce algorithm predicate. One-shot: every rank pushes its whole
 // input to every peer and sums locally (one barrier, (W-1)*N bytes out per
@@ -214,10 +232,13 @@ static_assert(kMaxGpuWorld * kMaxGpuTokensPerRank <= (int64_t(1) << 22), "a recv
 // GPU launch policy. All blocks of a launch must be resident at once: a
 // block spins on flags that other blocks publish, of this launch or of a
 // peer's, and a block queued behind spinning ones would never run. The
-// kernels take one block per multiprocessor, so grids stay within 3/4 of the
-// multiprocessors: a stray kernel on a few of them cannot leave a block
-// waiting for a slot. dispatch/combine split that budget between senders and
-// receivers by the memory streams each role runs per row: dispatch senders
+// kernels take one block per multiprocessor, and EP grids leave one
+// multiprocessor in kEpReservedSmFraction (at least 2) to others: a stray
+// kernel on a few of them cannot leave a block waiting for a slot. (With
+// 3/4 of them, dispatch and combine of 4096 tokens took 5% longer: the row
+// loops keep a block's loads in flight per multiprocessor, so the bytes in
+// flight grow with the grid.) dispatch/combine split that budget between
+// senders and receivers by the memory streams each role runs per row: dispatch senders
 // read a row of x once and write it to each of its destinations (about W
 // streams at most, W + 1 counted), receivers read the heap and write the
 // output for the (W - 1) / W of the rows that came from peers (2 (W - 1)
@@ -225,7 +246,7 @@ static_assert(kMaxGpuWorld * kMaxGpuTokensPerRank <= (int64_t(1) << 22), "a recv
 // role that handles this rank's own tokens (dispatch senders, combine
 // receivers) cuts them into one contiguous range per block, all of one size
 // (the last shorter), so every block moves the same rows: whole chunks per
-// block would leave blocks idle (128 chunks on 99 blocks run as two rounds
+// block would leave blocks idle (128 chunks on 123 blocks run as two rounds
 // whichever way they are dealt). The split comes from this count, not yet
 // from a 2-GPU measurement (docs/performance.md).
 struct EpGrid {
@@ -235,8 +256,10 @@ struct EpGrid {
 RC_HD int clamp_blocks(int64_t want, int64_t most) {
   return int(want < 1 ? 1 : (want > most ? (most < 1 ? 1 : most) : want));
 }
+constexpr int kEpReservedSmFraction = 16;
 RC_HD int ep_grid_budget(int sm_count) {
-  const int b = sm_count * 3 / 4 < kMaxLaunchBlocks ? sm_count * 3 / 4 : kMaxLaunchBlocks;
+  const int reserved = sm_count / kEpReservedSmFraction > 2 ? sm_count / kEpReservedSmFraction : 2;
+  const int b = sm_count - reserved < kMaxLaunchBlocks ? sm_count - reserved : kMaxLaunchBlocks;
   return b < 2 ? 2 : b;
 }
 // Most blocks of the own-token role: its share (W + 1) / (3W - 1) of the
@@ -277,16 +300,15 @@ RC_HD int allreduce_blocks(int64_t share_bytes, int sm_count) {
 // ------------------------------------------------ all_reduce + RMSNorm
 
 // The fused op's rows. Its GPU kernel gives each row to one block of
-// kRmsNormBlockThreads threads (the kernels' kThreads, asserted there); a
+// kGpuBlockThreads threads; a
 // thread takes the row's 16-byte vectors t, t + threads, ... A row of at most
 // kRmsNormRowVectorsPerThread vectors per thread stays in registers between
 // the sum of squares and the normalisation; longer rows, and rows that are
 // not whole vectors, are re-read from residual_out (any H works).
-constexpr int kRmsNormBlockThreads = 512;
 constexpr int kRmsNormRowVectorsPerThread = 4;
 RC_HD int64_t rmsnorm_vector_elems(int64_t elt) { return 16 / elt; }
 RC_HD int64_t rmsnorm_register_row_elems(int64_t elt) {
-  return int64_t(kRmsNormBlockThreads) * kRmsNormRowVectorsPerThread * rmsnorm_vector_elems(elt);
+  return int64_t(kGpuBlockThreads) * kRmsNormRowVectorsPerThread * rmsnorm_vector_elems(elt);
 }
 // The fast-path predicate for a row of `hidden` elements of `elt` bytes
 // (the tensors must also be 16-byte aligned, which fresh torch tensors are).
@@ -396,7 +418,7 @@ struct Layout {
   size_t ar_flags = 0;         // [2][2 phases][W][kMaxAllReduceBlocks] u64
   size_t dispatch_heads = 0;   // [2][W] HeadSlot
   size_t dispatch_chunks = 0;  // [2][W][max_chunks] ChunkSlot
-  size_t dispatch_tally = 0;   // [max_chunks] TallySlot, own use
+  size_t dispatch_tally = 0;   // [max_chunks][W] tally words, own use
   size_t combine_flags = 0;    // [2][W][max_chunks] u64
   size_t probe_flags = 0;      // [W] u64
   size_t signal_bytes = 0;
@@ -424,8 +446,8 @@ struct Layout {
   }
   // One set, no parity: only the blocks of one launch use it, and the next
   // dispatch starts after they all finished.
-  RC_HD TallySlot* tally(char* sig, int64_t block) const {
-    return reinterpret_cast<TallySlot*>(sig + dispatch_tally) + block;
+  RC_HD uint64_t* tally(char* sig, int64_t block, int dst) const {
+    return reinterpret_cast<uint64_t*>(sig + dispatch_tally) + size_t(block) * world + dst;
   }
   RC_HD uint64_t* combine_flag(char* sig, uint64_t gen, int src, int64_t chunk) const {
     return reinterpret_cast<uint64_t*>(sig + combine_flags) +
@@ -482,7 +504,7 @@ inline Layout make_layout(const HeapConfig& c) {
   l.ar_flags = take(sizeof(uint64_t) * 2 * 2 * W * kMaxAllReduceBlocks);
   l.dispatch_heads = take(sizeof(HeadSlot) * 2 * W);
   l.dispatch_chunks = take(sizeof(ChunkSlot) * 2 * W * size_t(l.max_chunks));
-  l.dispatch_tally = take(sizeof(TallySlot) * size_t(l.max_chunks));
+  l.dispatch_tally = take(sizeof(uint64_t) * size_t(l.max_chunks) * W);
   l.combine_flags = take(sizeof(uint64_t) * 2 * W * size_t(l.max_chunks));
   l.probe_flags = take(sizeof(uint64_t) * W);
   l.signal_bytes = off;

@@ -17,8 +17,6 @@ namespace rdna4_comm {
 namespace gpu {
 namespace {
 
-static_assert(kThreads == kRmsNormBlockThreads, "the gate's row capacity assumes the kernels' block size");
-
 // Sum of every thread's v in a fixed tree order (bitwise equal on every rank
 // and run), in fp64 (rmsnorm_inv_rms says why). `red` holds kThreads
 // doubles of shared memory.

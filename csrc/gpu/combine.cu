@@ -45,41 +45,56 @@ RC_DEVICE bool handle_counts_ok(const Env& env, const CombineArgs& a) {
   return block_all(ok);
 }
 
-// Token of source s that row j of y answers, or -1 when the handle's value
-// is not one (a bad value is skipped where it would pick a store, and
-// recorded by check_handle_rows).
-RC_DEVICE int64_t row_token(const CombineArgs& a, const Sources& src, int64_t cap, int s, int64_t j) {
-  const int64_t t = a.recv_src[j] - int64_t(s) * cap;
+// Token of source s that a recv_src value names, or -1 when it is not one
+// (a bad value is skipped where it would pick a store, and recorded by
+// check_recv_src).
+RC_DEVICE int64_t source_token(int32_t value, const Sources& src, int64_t cap, int s) {
+  const int64_t t = value - int64_t(s) * cap;
   return t >= 0 && t < src.ntok[s] ? t : -1;
 }
+RC_DEVICE int64_t row_token(const CombineArgs& a, const Sources& src, int64_t cap, int s, int64_t j) {
+  return source_token(a.recv_src[j], src, cap, s);
+}
 
-// With valid counts: the grid checks recv_src on every received row (a
-// token of the row's source, above the row before it from that source:
-// chunks of a source's tokens are runs of its rows, and a row out of order
-// would travel with another chunk than its flag announces) and every
-// send_mask bit (ranks of the world only), each thread a strided share.
-// recv_src past the received rows is never read, so it is not checked.
-RC_DEVICE void check_handle_rows(const Env& env, const CombineArgs& a, const Sources& src) {
-  // 32-bit indices: W * cap rows fit (kMaxGpuTokensPerRank), and a
-  // kernel at the register limit keeps its loop state small.
+// With valid counts, the sender blocks check recv_src on every received row,
+// each thread a strided share (the receivers check the send_mask values they
+// read): a token of the row's source, above the row before it from that
+// source (chunks of a source's tokens are runs of its rows, and a row out of
+// order would travel with another chunk than its flag announces). recv_src
+// past the received rows is never read, so it is not checked. The senders
+// read recv_src anyway, and the receivers' sums need none of it.
+constexpr int kCheckUnroll = 4;
+RC_DEVICE void check_recv_src(const Env& env, const CombineArgs& a, const Sources& src, int b, int nblocks) {
+  // 32-bit indices: W * cap rows fit (kMaxGpuTokensPerRank), and a kernel
+  // at the register limit keeps its loop state small.
   const int W = env.world;
   const int64_t cap = env.layout.cap;
-  const uint32_t stride = gridDim.x * blockDim.x, first = blockIdx.x * blockDim.x + threadIdx.x;
-  for (uint32_t j = first; j < uint32_t(src.offset[W]); j += stride) {
-    int s = 0;
-    while (j >= src.offset[s + 1]) ++s;
-    if (row_token(a, src, cap, s, j) < 0 || (j > src.offset[s] && a.recv_src[j] <= a.recv_src[j - 1]))
-      record_error(env, encode_bad_handle(kHandleRecvSrc, j, a.recv_src[j]));
+  const uint32_t stride = uint32_t(nblocks) * blockDim.x, rows = uint32_t(src.offset[W]);
+  for (uint32_t j0 = uint32_t(b) * blockDim.x + threadIdx.x; j0 < rows; j0 += stride * kCheckUnroll) {
+    int32_t value[kCheckUnroll], before[kCheckUnroll];
+#pragma unroll
+    for (int u = 0; u < kCheckUnroll; ++u) {
+      const uint32_t j = j0 + u * stride;
+      if (j >= rows) continue;
+      value[u] = a.recv_src[j];
+      before[u] = j > 0 ? a.recv_src[j - 1] : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kCheckUnroll; ++u) {
+      const uint32_t j = j0 + u * stride;
+      if (j >= rows) continue;
+      int s = 0;
+      while (j >= uint32_t(src.offset[s + 1])) ++s;
+      if (source_token(value[u], src, cap, s) < 0 || (j > uint32_t(src.offset[s]) && value[u] <= before[u]))
+        record_error(env, encode_bad_handle(kHandleRecvSrc, j, value[u]));
+    }
   }
-  for (uint32_t t = first; t < uint32_t(a.ntok); t += stride)
-    if (uint32_t(a.send_mask[t]) & ~all_ranks(env))
-      record_error(env, encode_bad_handle(kHandleSendMask, t, a.send_mask[t]));
 }
 
 // start[c][s] for every peer source s and c in [0, its chunks]: one pass
 // over its rows, row j setting the chunks from the one after row j - 1's up
 // to its own. A handle whose rows are not in token order (recorded by
-// check_handle_rows) gives wrong ranges, but every one lies within the
+// check_recv_src) gives wrong ranges, but every one lies within the
 // source's rows.
 RC_DEVICE void peer_chunk_starts(const Env& env, const CombineArgs& a, CombineShared& sh) {
   const int me = env.rank, W = env.world, tid = threadIdx.x, nt = blockDim.x;
@@ -113,6 +128,7 @@ RC_DEVICE void combine_sender(const Env& env, const CombineArgs& a, CombineShare
   const int64_t payload = L.hidden * L.elt, cap = L.cap;
   const uint32_t nvec = uint32_t(payload / vec);
   const char* y = static_cast<const char*>(a.y);
+  check_recv_src(env, a, sh.src, b, nblocks);
   peer_chunk_starts(env, a, sh);
   const Items plan = source_items(sh.src, W);
   const int64_t items = plan.count;
@@ -148,60 +164,92 @@ RC_DEVICE void combine_sender(const Env& env, const CombineArgs& a, CombineShare
   }
 }
 
+// A receiver block's tokens: the range [t0, t1) (ep_own_block_tokens each),
+// taken a group of combine chunks (chunk_tokens each) at a time and within a
+// group a batch of at most a block of tokens at a time; first_end ends the
+// first batch. Token indices fit 32 bits (kMaxGpuTokensPerRank), which
+// keeps the state that lives across the sums small.
+struct OwnRange {
+  int32_t t0, t1, chunk_tokens, first_end, group;
+};
+RC_DEVICE OwnRange own_range(int64_t T, int64_t per, int j) {
+  const int64_t C = ep_chunk_tokens(T);
+  const int64_t t0 = int64_t(j) * per, t1 = t0 + per < T ? t0 + per : T;
+  const int G = group_size(C);
+  const int64_t group_end = (t0 / C + G) * C;
+  int64_t first_end = t0 + int64_t(blockDim.x);
+  first_end = first_end < group_end ? first_end : group_end;
+  first_end = first_end < t1 ? first_end : t1;
+  return {int32_t(t0), int32_t(t1), int32_t(C), int32_t(first_end), G};
+}
+
+// What a receiver thread reads first, before the handle's counts arrive, so
+// the loads overlap: its share of the own-rank bits in send_mask before the
+// block's range (strided), and its token's mask in the first batch.
+struct ReceiverStart {
+  int32_t own_before = 0;
+  uint32_t first_mask = 0;
+};
+RC_DEVICE ReceiverStart receiver_start(const Env& env, const CombineArgs& a, const OwnRange& r) {
+  ReceiverStart st;
+  const int32_t nt = blockDim.x;
+#pragma unroll 4
+  for (int32_t t = threadIdx.x; t < r.t0; t += nt) st.own_before += int32_t(uint32_t(a.send_mask[t]) >> env.rank & 1u);
+  const int32_t t = r.t0 + int32_t(threadIdx.x);
+  if (t < r.first_end) st.first_mask = uint32_t(a.send_mask[t]);
+  return st;
+}
+
 // Each token's output: its rows from every destination rank, summed in
 // ascending rank order (sum_row). Peers' rows come from the inbox, at the
 // token's slot; this rank's own from y, at the token's place among its own
 // rows (dispatch laid them out in token order: the block's first token's
-// comes after one row per earlier token whose send_mask has this rank).
-// Block j takes a range of the tokens
-// (ep_own_block_tokens each) and the chunks that overlap it, a group of them
-// at a time: thread (g, r) waits for chunk g's flag from peer r, then the
-// group's tokens in the range are summed in batches of a block.
+// comes after one row per earlier token whose send_mask has this rank, the
+// threads' shares of that count summed into sh.run[0], which the kernel
+// zeroed before its first barrier). The block waits for the chunks that
+// overlap its range a group at a time: thread (g, r) waits for chunk g's
+// flag from peer r, then the group's tokens in the range are summed in
+// batches of a block.
 static_assert(kMaxGpuWorld * kMaxGroup <= kThreads, "combine waiters fit a block");
 template <DType D>
-RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineShared& sh, uint64_t gen, int j,
-                                int vec) {
+RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineShared& sh, uint64_t gen,
+                                const OwnRange& range, const ReceiverStart& start, int vec) {
   const Layout& L = env.layout;
-  const int me = env.rank, W = env.world, tid = threadIdx.x, nt = blockDim.x;
-  const int64_t payload = L.hidden * L.elt, rows = int64_t(W) * L.cap;
-  const int64_t T = a.ntok, C = ep_chunk_tokens(T), per = ep_own_block_tokens(T, W, env.sm_count);
-  const int64_t t0 = int64_t(j) * per, t1 = t0 + per < T ? t0 + per : T;
+  const int me = env.rank, W = env.world, tid = threadIdx.x;
+  const int32_t t0 = range.t0, t1 = range.t1, C = range.chunk_tokens, nt = blockDim.x;
   if (t0 >= t1) return;
-  const int G = group_size(C);
+  const int G = range.group;
+  const int64_t payload = L.hidden * L.elt;
+  const int32_t rows = W * int32_t(L.cap);
   const uint32_t nsum = uint32_t(payload / row_vector_bytes<D>(vec));
   const char* y = static_cast<const char*>(a.y);
   char* out = static_cast<char*>(a.out);
-  const int64_t own_base = sh.src.offset[me];
-  // The own rows before the block's: each thread counts the own-rank bits
-  // of a strided share of send_mask[0, t0).
-  int32_t own_before = 0;
-#pragma unroll 4
-  for (uint32_t t = tid; t < uint32_t(t0); t += nt) own_before += int32_t(uint32_t(a.send_mask[t]) >> me & 1u);
-  // The block's sum, a bit at a time: no count exceeds ceil(t0 / nt).
-  int32_t before = 0;
-  for (int b = 0; (int64_t(1) << b) <= ceil_div(t0, nt); ++b) before += block_count(own_before >> b & 1) << b;
-  if (tid == 0) sh.run[0] = before;
-  const int64_t c_end = (t1 - 1) / C + 1;
-  for (int64_t g0 = t0 / C; g0 < c_end; g0 += G) {
-    const int64_t g1 = g0 + G < c_end ? g0 + G : c_end;
+  const int32_t own_base = sh.src.offset[me];
+  const int32_t before = warp_sum(start.own_before);
+  if (lane_id() == 0 && before != 0) atomicAdd(&sh.run[0], before);  // read after the next barriers
+  const int32_t c_end = (t1 - 1) / C + 1;
+  for (int32_t g0 = t0 / C; g0 < c_end; g0 += G) {
+    const int32_t g1 = g0 + G < c_end ? g0 + G : c_end;
     const int g = tid / W, r = tid - g * W;
     bool ok = true;
     if (g0 + g < g1 && r != me) ok = wait_flag(env, L.combine_flag(env.sig[me], gen, r, g0 + g), gen, kOpCombine, r);
     if (!block_all(ok)) return;
-    const int64_t b_begin = g0 * C > t0 ? g0 * C : t0, b_end = g1 * C < t1 ? g1 * C : t1;
-    for (int64_t b0 = b_begin; b0 < b_end; b0 += nt) {
-      const int64_t t = b0 + tid;
-      const uint32_t m = t < b_end ? uint32_t(a.send_mask[t]) & all_ranks(env) : 0u;  // other bits: check_handle_rows
+    const int32_t b_begin = g0 * C > t0 ? g0 * C : t0, b_end = g1 * C < t1 ? g1 * C : t1;
+    for (int32_t b0 = b_begin; b0 < b_end; b0 += nt) {
+      const int32_t t = b0 + tid;
+      uint32_t m = 0;
+      if (t < b_end) m = b0 == t0 ? start.first_mask : uint32_t(a.send_mask[t]);
+      if (m & ~all_ranks(env)) record_error(env, encode_bad_handle(kHandleSendMask, t, int32_t(m)));
+      m &= all_ranks(env);
       int32_t pos[kMaxGpuWorld];
       batch_positions(m >> me & 1u, 1, pos, sh.warp_tot, sh.run);
       sh.batch_mask[tid] = m;
       // A handle whose send_mask and counts disagree reads a wrong row of y, never memory outside it.
-      sh.own_row[tid] = int32_t(own_base + pos[0] < rows ? own_base + pos[0] : rows - 1);
+      sh.own_row[tid] = own_base + pos[0] < rows ? own_base + pos[0] : rows - 1;
       block_sync();
-      const int64_t batch = b_end - b0 < nt ? b_end - b0 : nt;
-      for_row_pieces(batch, nsum, [&](int64_t i, const RowSpan& s) {
-        const int64_t tok = b0 + i;
-        const int64_t own_row = sh.own_row[i];
+      const int32_t batch = b_end - b0 < nt ? b_end - b0 : nt;
+      for_row_pieces(batch, nsum, [&](uint32_t i, const RowSpan& s) {
+        const int64_t tok = b0 + int32_t(i), own_row = sh.own_row[i];
         auto row_of = [&](int rr) {
           return rr == me ? y + own_row * payload : L.combine_row(env.data[me], gen, rr, tok);
         };
@@ -214,18 +262,23 @@ RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineSha
   }
 }
 
-__global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs a, int send_blocks, int vec) {
+// One kernel per dtype: the receivers' sum loop takes the registers that one
+// dtype's loop leaves, not the most of three.
+template <DType D>
+__global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs a, EpLaunch lp) {
   __shared__ CombineShared sh;
   const uint64_t gen = op_generation(env, kOpCombine);
+  const bool receiver = int(blockIdx.x) >= lp.send_blocks;
+  const OwnRange range = own_range(a.ntok, lp.own_block_tokens, int(blockIdx.x) - lp.send_blocks);
+  const ReceiverStart start = receiver ? receiver_start(env, a, range) : ReceiverStart{};
+  if (threadIdx.x == 0) sh.run[0] = 0;
   load_sources(env, sh.src, [&](int s, int64_t* ntok, int64_t* nrows, int64_t* chunk_tokens) {
     *ntok = a.src_tokens[s];
     *nrows = a.counts[s];
     *chunk_tokens = ep_chunk_tokens(*ntok);
   });
   const bool counts_ok = handle_counts_ok(env, a);
-  if (counts_ok) {
-    check_handle_rows(env, a, sh.src);
-  } else {
+  if (!counts_ok) {
     // Peers still wait for this rank's flags: the senders publish every chunk
     // a peer can expect (ep_max_chunks: it holds at most cap tokens) with no
     // rows, and no receiver runs.
@@ -238,12 +291,10 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs 
       sh.src.nchunks[threadIdx.x] = int32_t(ep_max_chunks(env.layout.cap));
     block_sync();
   }
-  if (int(blockIdx.x) < send_blocks) {
-    combine_sender(env, a, sh, gen, blockIdx.x, send_blocks, vec);
+  if (!receiver) {
+    combine_sender(env, a, sh, gen, blockIdx.x, lp.send_blocks, lp.vec);
   } else if (counts_ok) {
-    with_dtype(a.dtype, [&](auto d) {
-      combine_receiver<decltype(d)::value>(env, a, sh, gen, blockIdx.x - send_blocks, vec);
-    });
+    combine_receiver<D>(env, a, sh, gen, range, start, lp.vec);
   }
   finish_op(env, kOpCombine, gen);
 }
@@ -252,8 +303,14 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs 
 
 void launch_combine(const Env& env, const CombineArgs& a, Stream s) {
   const EpGrid g = combine_grid(a.ntok, env.world, env.sm_count);
-  const int vec = row_vector(env.layout.hidden * env.layout.elt, {a.y, a.out});
-  launch("combine", combine_kernel, g.send_blocks + g.recv_blocks, s, env, a, g.send_blocks, vec);
+  const EpLaunch lp{ep_own_block_tokens(a.ntok, env.world, env.sm_count), 0, g.send_blocks,
+                    row_vector(env.layout.hidden * env.layout.elt, {a.y, a.out})};
+  const int blocks = g.send_blocks + g.recv_blocks;
+  switch (a.dtype) {
+    case DType::kF32: launch("combine", combine_kernel<DType::kF32>, blocks, s, env, a, lp); break;
+    case DType::kBF16: launch("combine", combine_kernel<DType::kBF16>, blocks, s, env, a, lp); break;
+    default: launch("combine", combine_kernel<DType::kF16>, blocks, s, env, a, lp); break;
+  }
 }
 
 }  // namespace gpu

@@ -13,11 +13,11 @@ namespace gpu {
 namespace {
 
 struct DispatchShared {
-  // Sender: this block's chunk, its rows per destination (chunk_rows, and
-  // first_rows of its first batch), the rows of the chunks before it
-  // (prefix), the batch's running count (run), and each token of a batch:
-  // its destinations and its rows' positions within the chunk.
-  int32_t chunk_rows[kMaxGpuWorld], first_rows[kMaxGpuWorld], prefix[kMaxGpuWorld], run[kMaxGpuWorld];
+  // Sender: this block's chunk, its rows per destination (chunk_rows), the
+  // rows of the chunks before it (prefix), the batch's running count (run),
+  // and each token of a batch: its destinations and its rows' positions
+  // within the chunk.
+  int32_t chunk_rows[kMaxGpuWorld], prefix[kMaxGpuWorld], run[kMaxGpuWorld];
   int32_t warp_tot[kMaxWarps][kMaxGpuWorld];
   uint32_t batch_mask[kThreads];
   int32_t batch_pos[kThreads][kMaxGpuWorld];
@@ -47,20 +47,24 @@ constexpr int kSlotsPerLane = (kMaxTopk + kMinWarpSize - 1) / kMinWarpSize;
 
 // Sender block b takes chunk b of this rank's tokens (ep_own_block_tokens
 // each) and sends each routed row to its destinations. A chunk's rows for
-// destination d follow those of the chunks before it; the block learns how
-// many that is from the other blocks' tallies (a published count per block,
-// no block scans tokens but its own). False (on every thread) when a wait failed.
-template <typename IdxT, int KF>
-RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, DispatchShared& sh, uint64_t gen, int b,
-                               int nblocks, int vec) {
+// destination d follow those of the chunks before it: where the rank's
+// tokens fit one block (dispatch_routes_all_tokens), every block routes all
+// of them and counts the earlier chunks' rows itself; otherwise it adds up
+// the other blocks' tallies (a published count per block and destination).
+// False (on every thread) when a wait failed.
+template <typename IdxT, int KF, typename V>
+RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLaunch& lp, DispatchShared& sh,
+                               uint64_t gen, int b) {
   const Layout& L = env.layout;
   const int me = env.rank, W = env.world, tid = threadIdx.x, nt = blockDim.x;
   const Routing<IdxT, KF> route{static_cast<const IdxT*>(a.topk_idx), int(L.topk), a.num_experts,
-                                a.num_experts / W, W};
-  const int K = route.topk();
-  const int64_t payload = L.hidden * L.elt, T = a.ntok, C = ep_own_block_tokens(T, W, env.sm_count);
-  const int64_t t0 = b * C, t1 = t0 + C < T ? t0 + C : T;
-  const uint32_t nvec = uint32_t(payload / vec);
+                                lp.experts_per_rank, W};
+  const int K = route.topk(), nblocks = lp.send_blocks;
+  const int64_t payload = L.hidden * L.elt;
+  // Token indices fit 32 bits (kMaxGpuTokensPerRank): less state to keep.
+  const int32_t T = int32_t(a.ntok), C = int32_t(lp.own_block_tokens);
+  const int32_t t0 = b * C, t1 = t0 + C < T ? t0 + C : T;
+  const uint32_t nvec = uint32_t(payload / int64_t(sizeof(V)));
   const char* x = static_cast<const char*>(a.x);
   char* out_x = static_cast<char*>(a.out_x);
   IdxT* out_idx = static_cast<IdxT*>(a.out_idx);
@@ -70,8 +74,8 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, DispatchSh
   // Destinations of the batch of tokens from tb, and the positions of their
   // rows (sh.run: rows of the chunk's batches before it), into sh.batch_*
   // when `keep`.
-  auto route_batch = [&](int64_t tb, bool count_pass, bool keep) {
-    const int64_t t = tb + tid;
+  auto route_batch = [&](int32_t tb, bool count_pass, bool keep) {
+    const int32_t t = tb + tid;
     const uint32_t m = t < t1 ? route.mask(t) : 0u;
     if (count_pass && t < t1) a.out_send_mask[t] = int32_t(m);
     int32_t pos[kMaxGpuWorld];
@@ -84,34 +88,54 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, DispatchSh
     }
   };
 
-  // Count: the chunk's rows per destination.
-  if (tid < W) sh.run[tid] = 0;
-  block_sync();
-  for (int64_t tb = t0; tb < t1; tb += nt) {
-    route_batch(tb, true, one_batch);
-    if (tb == t0 && tid < W) sh.first_rows[tid] = sh.run[tid];
+  if (tid < W) sh.run[tid] = 0;  // read after batch_positions' first barrier
+  if (dispatch_routes_all_tokens(T)) {
+    // Thread t routes token t; the positions of token t0 and t1 bound the chunk.
+    const uint32_t m = tid < T ? route.mask(tid) : 0u;
+    if (tid >= t0 && tid < t1) a.out_send_mask[tid] = int32_t(m);
+    int32_t pos[kMaxGpuWorld];
+    batch_positions(m, W, pos, sh.warp_tot, sh.run);
+    if (tid == t0 || tid == t1) {
+#pragma unroll
+      for (int d = 0; d < kMaxGpuWorld; ++d)
+        if (d < W) (tid == t0 ? sh.prefix : sh.chunk_rows)[d] = pos[d];
+    }
+    block_sync();
+    if (tid >= t0 && tid < t1) {
+      sh.batch_mask[tid - t0] = m;
+#pragma unroll
+      for (int d = 0; d < kMaxGpuWorld; ++d)
+        if (d < W) sh.batch_pos[tid - t0][d] = pos[d] - sh.prefix[d];
+    }
+    if (tid < W) sh.chunk_rows[tid] = (t1 < T ? sh.chunk_rows[tid] : sh.run[tid]) - sh.prefix[tid];
+    block_sync();
+  } else {
+    // Count: the chunk's rows per destination.
+    for (int32_t tb = t0; tb < t1; tb += nt) route_batch(tb, true, one_batch);
+    // Tally: this block's count per destination for the blocks after it (the
+    // last block has none), then the sum of the earlier blocks' into
+    // sh.prefix. Every block publishes before it waits, and the grid is
+    // resident (the launch policy), so the waits end.
+    if (tid < W) {
+      if (b + 1 < nblocks) store_relaxed_device(L.tally(env.sig[me], b, tid), tally_word(gen, sh.run[tid]));
+      sh.chunk_rows[tid] = sh.run[tid];
+      sh.prefix[tid] = 0;
+    }
+    block_sync();
+    // Thread i < b reads block i's words; each warp adds up its threads'.
+    bool ok = true;
+    if (int(threadIdx.x) / warp_size() * warp_size() < b) {
+      for (int d = 0; d < W; ++d) {
+        uint64_t word = 0;
+        const uint64_t* slot = L.tally(env.sig[me], tid, d);
+        if (tid < b && ok)
+          ok = wait_until(env, gen, kOpDispatch, me, [&] { return tally_gen(word = load_relaxed_device(slot)) >= gen; });
+        const int32_t sum = warp_sum(ok ? tally_rows(word) : 0);
+        if (lane_id() == 0) atomicAdd(&sh.prefix[d], sum);
+      }
+    }
+    if (!block_all(ok)) return false;
   }
-  // Tally: this block's counts for the blocks after it (released at device
-  // scope after the barrier, acquired by them; the last block has none),
-  // the sum of the earlier blocks' into sh.prefix. Every block publishes
-  // before it waits, and the grid is resident (the launch policy), so the
-  // waits end.
-  TallySlot* mine = L.tally(env.sig[me], b);
-  const bool tally = b + 1 < nblocks;
-  if (tid < W) {
-    if (tally) mine->rows[tid] = uint32_t(sh.run[tid]);
-    sh.chunk_rows[tid] = sh.run[tid];
-    sh.prefix[tid] = 0;
-  }
-  block_sync();
-  if (tid == 0 && tally) store_release_device(&mine->gen, gen);
-  bool ok = true;
-  if (tid < b) {
-    const TallySlot* before = L.tally(env.sig[me], tid);
-    ok = wait_flag(env, &before->gen, gen, kOpDispatch, me);
-    for (int d = 0; ok && d < W; ++d) atomicAdd(&sh.prefix[d], int32_t(before->rows[d]));
-  }
-  if (!block_all(ok)) return false;
   // The last chunk's block knows every destination's total: the headers
   // (how many tokens, rows and which chunking each destination is to expect).
   if (b == nblocks - 1 && tid < W) {
@@ -142,14 +166,14 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, DispatchSh
       if (tid < W) sh.run[tid] = 0;
       block_sync();
     }
-    for (int64_t tb = t0; tb < t1; tb += nt) {
+    for (int32_t tb = t0; tb < t1; tb += nt) {
       if (!one_batch) route_batch(tb, false, true);
       block_sync();
-      const int64_t batch = t1 - tb < nt ? t1 - tb : nt;
-      for_row_pieces(batch, nvec, [&](int64_t r, const RowSpan& s) {
+      const int32_t batch = t1 - tb < nt ? t1 - tb : nt;
+      for_row_pieces(uint32_t(batch), nvec, [&](uint32_t r, const RowSpan& s) {
         const uint32_t tm = sh.batch_mask[r] & dests;
         if (tm == 0) return;
-        const int64_t tok = tb + r;
+        const int64_t tok = tb + int32_t(r);
         // Destination d's row: j of the rows this rank sends it; this
         // rank's own go to the output, after the lower ranks' rows.
         auto row_index = [&](int d) { return int64_t(sh.prefix[d]) + sh.batch_pos[r][d]; };
@@ -168,7 +192,7 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, DispatchSh
           slot_id[i] = int64_t(route.idx[tok * K + k]);
           slot_w[i] = a.topk_weights ? load_weight(a.topk_weights, tok * K + k, a.weights_dtype) : 0.f;
         }
-        with_copy_vector(vec, [&](auto tag) { copy_row<typename decltype(tag)::type, true>(x + tok * payload, row_at, tm, s); });
+        copy_row<V, true>(x + tok * payload, row_at, tm, s);
         if (!s.lead) return;
 #pragma unroll
         for (int i = 0; i < kSlotsPerLane; ++i) {
@@ -227,31 +251,40 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, DispatchSh
 }
 
 // Every source's header, once it has arrived, into sh.src (thread s reads
-// the counts of the header it acquired). False on a timeout.
-RC_DEVICE bool load_headers(const Env& env, DispatchShared& sh, uint64_t gen) {
+// the counts of the header it acquired). A sender block that routed every
+// token (dispatch_routes_all_tokens) knows what its own rank's header says,
+// the totals in sh.run, and waits for the peers' alone. False on a timeout.
+struct OwnHeader {
+  bool known;
+  int64_t ntok, chunk_tokens;
+};
+RC_DEVICE bool load_headers(const Env& env, DispatchShared& sh, uint64_t gen, OwnHeader own) {
   const Layout& L = env.layout;
-  auto head_of = [&](int s) { return L.dispatch_head(env.sig[env.rank], gen, s); };
-  if (!block_wait_ranks(env, gen, kOpDispatch, all_ranks(env), [&](int s) { return &head_of(s)->gen; })) return false;
+  const int me = env.rank;
+  auto head_of = [&](int s) { return L.dispatch_head(env.sig[me], gen, s); };
+  const uint32_t wait = own.known ? peer_ranks(env) : all_ranks(env);
+  if (!block_wait_ranks(env, gen, kOpDispatch, wait, [&](int s) { return &head_of(s)->gen; })) return false;
   load_sources(env, sh.src, [&](int s, int64_t* ntok, int64_t* nrows, int64_t* chunk_tokens) {
-    *ntok = head_of(s)->ntok;
-    *nrows = head_of(s)->nrows;
-    *chunk_tokens = head_of(s)->chunk_tokens;
+    const bool known = own.known && s == me;
+    *ntok = known ? own.ntok : head_of(s)->ntok;
+    *nrows = known ? sh.run[me] : head_of(s)->nrows;
+    *chunk_tokens = known ? own.chunk_tokens : head_of(s)->chunk_tokens;
   });
   return true;
 }
 
 // False (on every thread) when a wait failed: sh.src may then be incomplete.
-template <typename IdxT>
+template <typename IdxT, typename V>
 RC_DEVICE bool dispatch_receiver(const Env& env, const DispatchArgs& a, DispatchShared& sh, uint64_t gen, int j,
-                                 int nblocks, int vec) {
+                                 int nblocks) {
   const Layout& L = env.layout;
   const int me = env.rank, W = env.world, tid = threadIdx.x;
   const int64_t payload = L.hidden * L.elt, K = L.topk, cap = L.cap;
-  const uint32_t nvec = uint32_t(payload / vec);
+  const uint32_t nvec = uint32_t(payload / int64_t(sizeof(V)));
   char* out_x = static_cast<char*>(a.out_x);
   IdxT* out_idx = static_cast<IdxT*>(a.out_idx);
 
-  if (!load_headers(env, sh, gen)) return false;
+  if (!load_headers(env, sh, gen, OwnHeader{false, 0, 0})) return false;
   if (j == 0 && tid < W) {
     a.out_counts[tid] = sh.src.nrows[tid];
     a.out_src_tokens[tid] = sh.src.ntok[tid];
@@ -286,7 +319,7 @@ RC_DEVICE bool dispatch_receiver(const Env& env, const DispatchArgs& a, Dispatch
       const int64_t o = sh.src.offset[s] + hr;                // its output row
       char* row = L.dispatch_row(env.data[me], gen, s, hr);
       auto out_row = [&](int) { return out_x + o * payload; };
-      with_copy_vector(vec, [&](auto tag) { copy_row<typename decltype(tag)::type, false>(row, out_row, 1u, rs); });
+      copy_row<V, false>(row, out_row, 1u, rs);
       if (!rs.lead) return;
       for (int k = int(rs.first); k < K; k += int(rs.stride)) {
         out_idx[o * K + k] = IdxT(L.row_ids(row)[k]);
@@ -303,29 +336,33 @@ RC_DEVICE bool dispatch_receiver(const Env& env, const DispatchArgs& a, Dispatch
 // -1 ids, 0 weights, -1 source. Their x is not written (unspecified).
 template <typename IdxT>
 RC_DEVICE void dispatch_padding(const Env& env, const DispatchArgs& a, const Sources& src) {
-  const int64_t K = env.layout.topk, rows = int64_t(env.world) * env.layout.cap;
-  const int64_t pad0 = src.offset[env.world], per = ceil_div(rows - pad0, gridDim.x);
-  const int64_t p0 = pad0 + int64_t(blockIdx.x) * per, p1 = p0 + per < rows ? p0 + per : rows;
+  // 32-bit: W * cap * K < 2^27 (kMaxGpuWorld, kMaxGpuTokensPerRank, kMaxTopk).
+  const int32_t K = int32_t(env.layout.topk), rows = env.world * int32_t(env.layout.cap), nb = gridDim.x;
+  const int32_t pad0 = src.offset[env.world], per = (rows - pad0 + nb - 1) / nb;
+  const int32_t p0 = pad0 + int32_t(blockIdx.x) * per, p1 = p0 + per < rows ? p0 + per : rows;
   if (p1 <= p0) return;
   IdxT* out_idx = static_cast<IdxT*>(a.out_idx);
-  for (int64_t i = p0 * K + threadIdx.x; i < p1 * K; i += blockDim.x) {
+  for (int32_t i = p0 * K + threadIdx.x; i < p1 * K; i += blockDim.x) {
     out_idx[i] = IdxT(-1);
     if (a.out_weights) store_weight(a.out_weights, i, a.weights_dtype, 0.f);
   }
-  for (int64_t r = p0 + threadIdx.x; r < p1; r += blockDim.x) a.out_recv_src[r] = -1;
+  for (int32_t r = p0 + threadIdx.x; r < p1; r += blockDim.x) a.out_recv_src[r] = -1;
 }
 
-template <typename IdxT, int KF>
-__global__ void __launch_bounds__(kThreads) dispatch_kernel(Env env, DispatchArgs a, int send_blocks, int vec) {
+// One kernel per (id type, top-k fast path, row vector): each holds the
+// registers of its own loops only.
+template <typename IdxT, int KF, typename V>
+__global__ void __launch_bounds__(kThreads) dispatch_kernel(Env env, DispatchArgs a, EpLaunch lp) {
   __shared__ DispatchShared sh;
   const uint64_t gen = op_generation(env, kOpDispatch);
   bool have_headers;
-  if (int(blockIdx.x) < send_blocks) {
+  if (int(blockIdx.x) < lp.send_blocks) {
     // The headers have usually arrived by now; a late peer keeps this block
     // here (bounded like every wait), and after a failed wait it returns at once.
-    have_headers = dispatch_sender<IdxT, KF>(env, a, sh, gen, blockIdx.x, send_blocks, vec) && load_headers(env, sh, gen);
+    const OwnHeader own{dispatch_routes_all_tokens(a.ntok), a.ntok, lp.own_block_tokens};
+    have_headers = dispatch_sender<IdxT, KF, V>(env, a, lp, sh, gen, blockIdx.x) && load_headers(env, sh, gen, own);
   } else {
-    have_headers = dispatch_receiver<IdxT>(env, a, sh, gen, blockIdx.x - send_blocks, gridDim.x - send_blocks, vec);
+    have_headers = dispatch_receiver<IdxT, V>(env, a, sh, gen, blockIdx.x - lp.send_blocks, gridDim.x - lp.send_blocks);
   }
   // The verdict is block-uniform and read from shared memory: polling the
   // host-mapped error word here, on every thread, cost each warp a PCIe read
@@ -338,14 +375,18 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Env env, DispatchArg
 
 void launch_dispatch(const Env& env, const DispatchArgs& a, Stream s) {
   const EpGrid g = dispatch_grid(a.ntok, env.world, env.sm_count);
-  const int vec = row_vector(env.layout.hidden * env.layout.elt, {a.x, a.out_x});
+  const EpLaunch lp{ep_own_block_tokens(a.ntok, env.world, env.sm_count), a.num_experts / env.world, g.send_blocks,
+                    row_vector(env.layout.hidden * env.layout.elt, {a.x, a.out_x})};
   const int blocks = g.send_blocks + g.recv_blocks;
-  if (env.layout.topk == 8) {
-    if (a.idx_is_int64) launch("dispatch", dispatch_kernel<int64_t, 8>, blocks, s, env, a, g.send_blocks, vec);
-    else launch("dispatch", dispatch_kernel<int32_t, 8>, blocks, s, env, a, g.send_blocks, vec);
+  auto go = [&](auto kernel) { launch("dispatch", kernel, blocks, s, env, a, lp); };
+  // A row vector of 16 bytes where rows and pointers allow it, else 2-byte pieces.
+  const bool v16 = lp.vec == 16, k8 = env.layout.topk == 8;
+  if (a.idx_is_int64) {
+    if (k8) v16 ? go(dispatch_kernel<int64_t, 8, uint4>) : go(dispatch_kernel<int64_t, 8, uint16_t>);
+    else v16 ? go(dispatch_kernel<int64_t, 0, uint4>) : go(dispatch_kernel<int64_t, 0, uint16_t>);
   } else {
-    if (a.idx_is_int64) launch("dispatch", dispatch_kernel<int64_t, 0>, blocks, s, env, a, g.send_blocks, vec);
-    else launch("dispatch", dispatch_kernel<int32_t, 0>, blocks, s, env, a, g.send_blocks, vec);
+    if (k8) v16 ? go(dispatch_kernel<int32_t, 8, uint4>) : go(dispatch_kernel<int32_t, 8, uint16_t>);
+    else v16 ? go(dispatch_kernel<int32_t, 0, uint4>) : go(dispatch_kernel<int32_t, 0, uint16_t>);
   }
 }
 

@@ -162,14 +162,23 @@ RC_DEVICE uint64_t load_relaxed_sys(const uint64_t* p) {
 #endif
 }
 
-// A release at device scope, for words that only this GPU's blocks read
-// (the dispatch tally, acquired with load_acquire_sys): no system-wide
-// visibility to wait for.
-RC_DEVICE void store_release_device(uint64_t* p, uint64_t v) {
+// Relaxed device-scope store and load, for words that only this GPU's blocks
+// read and that carry their whole message (the dispatch tally: a count and
+// its generation in one word), so no release or acquire is needed.
+RC_DEVICE void store_relaxed_device(uint64_t* p, uint64_t v) {
 #ifdef RC_HIP
-  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_AGENT);
+  __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
 #else
-  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+#endif
+}
+RC_DEVICE uint64_t load_relaxed_device(const uint64_t* p) {
+#ifdef RC_HIP
+  return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+#else
+  uint64_t v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
 #endif
 }
 
@@ -197,22 +206,6 @@ RC_DEVICE bool block_all(bool pred) {
   return result;
 #else
   return __syncthreads_and(pred);
-#endif
-}
-
-// How many threads of the block have `pred` (a barrier too).
-RC_DEVICE int block_count(bool pred) {
-#ifdef RC_HIP
-  __shared__ int count;
-  if (threadIdx.x == 0) count = 0;
-  block_sync();
-  if (pred) __hip_atomic_fetch_add(&count, 1, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_WORKGROUP);
-  block_sync();
-  const int result = count;
-  block_sync();  // everyone has read `count` before a later call resets it
-  return result;
-#else
-  return __syncthreads_count(pred);
 #endif
 }
 
@@ -254,6 +247,14 @@ RC_DEVICE int lowest_bit(uint32_t v) {
   return __builtin_ctz(v);
 #else
   return __ffs(int(v)) - 1;
+#endif
+}
+// Value of `v` on lane (this lane ^ mask) of the warp.
+RC_DEVICE int32_t warp_shfl_xor(int32_t v, int mask) {
+#ifdef RC_HIP
+  return __shfl_xor(v, mask);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, mask);
 #endif
 }
 // Value of `v` on lane (this lane - delta) of the warp; this lane's own below delta.

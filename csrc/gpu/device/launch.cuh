@@ -13,7 +13,7 @@
 namespace rdna4_comm {
 namespace gpu {
 
-constexpr int kThreads = 512;
+constexpr int kThreads = kGpuBlockThreads;  // protocol.h
 // Warps are 32 lanes or wider (64 on CDNA); the warp size itself is read at
 // run time (warp_size()). Per-warp arrays hold kThreads / kMinWarpSize
 // entries, enough for a block of any warp size.

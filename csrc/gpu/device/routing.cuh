@@ -8,6 +8,16 @@
 namespace rdna4_comm {
 namespace gpu {
 
+// An EP launch's geometry, computed once on the host for every block (on
+// the GPU a 64-bit division by a run-time value is a long instruction
+// sequence, and every block would repeat it before its first load).
+struct EpLaunch {
+  int64_t own_block_tokens;  // tokens per block of the own-token role (ep_own_block_tokens)
+  int64_t experts_per_rank;
+  int send_blocks;
+  int vec;  // the row loops' vector (row_vector)
+};
+
 template <typename IdxT, int KF>
 struct Routing {
   const IdxT* idx;
@@ -35,6 +45,12 @@ struct Routing {
     return m;
   }
 };
+
+// Sum of v over the warp's lanes, on every lane.
+RC_DEVICE int32_t warp_sum(int32_t v) {
+  for (int o = warp_size() / 2; o > 0; o /= 2) v += warp_shfl_xor(v, o);
+  return v;
+}
 
 // Within-batch positions: for each destination d, the number of earlier
 // tokens of the batch (threads below this one) that go to d, plus run[d];

@@ -3,8 +3,8 @@
 // so every warp moves the same bytes however the rows fall (rows of 42 per
 // block dealt whole to 16 warps kept 6 of them idle for the last third of
 // the batch). A warp's lanes take strided vectors of each row its piece
-// touches, kRowUnroll (kSumUnroll) of them in flight, so a row's pointers
-// are computed once per piece or per unrolled step, never per vector.
+// touches, kRowUnroll of them in flight, so a row's pointers are computed
+// once per piece or per unrolled step, never per vector.
 // Own-rank rows and peer rows go through the same loops; only their
 // pointers differ.
 #pragma once
@@ -14,10 +14,9 @@
 namespace rdna4_comm {
 namespace gpu {
 
-// Vectors in flight per thread in a row copy, and in a row sum (whose fp32
-// accumulators take more registers).
+// Vectors in flight per thread in a row copy or sum (a sum's fp32
+// accumulators fit beside them: one combine kernel per dtype).
 constexpr int kRowUnroll = 8;
-constexpr int kSumUnroll = 4;
 
 // This thread's vectors of one row: first, first + stride, ... below end.
 // `lead`: the warp's piece starts the row, so this warp also writes the
@@ -29,21 +28,20 @@ struct RowSpan {
 
 // Calls piece(r, span) for every row r of [0, rows) that this warp's piece
 // of the rows * n vectors touches, in ascending order. Each piece is a
-// whole number of warp widths long (the last one shorter).
+// whole number of warp widths long (the last one shorter). A batch stays
+// below 2^32 vectors (at most 2^11 rows of a combine chunk, 2^21 row
+// bytes): 32-bit indices keep the state that lives across the row loops small.
 template <typename Piece>
-RC_DEVICE void for_row_pieces(int64_t rows, uint32_t n, Piece piece) {
-  const int ws = warp_size(), nw = int(blockDim.x) / ws;
-  const int64_t total = rows * n;
-  const int64_t per = ceil_div(ceil_div(total, nw), ws) * ws;
-  const int64_t lo = int64_t(threadIdx.x / ws) * per;
+RC_DEVICE void for_row_pieces(uint32_t rows, uint32_t n, Piece piece) {
+  const uint32_t ws = uint32_t(warp_size()), nw = blockDim.x / ws, total = rows * n;
+  const uint32_t per = (total + nw * ws - 1) / (nw * ws) * ws;
+  const uint32_t lo = threadIdx.x / ws * per;
   if (lo >= total) return;
   // The piece: rows r..r_last, from vector v0 of the first to v_last of the last.
-  const int64_t hi = lo + per < total ? lo + per : total;
-  const int64_t r_last = (hi - 1) / n;
-  const uint32_t v_last = uint32_t(hi - r_last * n), lane = uint32_t(lane_id());
-  int64_t r = lo / n;
-  uint32_t v0 = uint32_t(lo - r * n);
-  for (; r <= r_last; ++r, v0 = 0) piece(r, RowSpan{v0 + lane, uint32_t(ws), r == r_last ? v_last : n, v0 == 0});
+  const uint32_t hi = lo + per < total ? lo + per : total;
+  const uint32_t r_last = (hi - 1) / n, v_last = hi - r_last * n, lane = uint32_t(lane_id());
+  uint32_t r = lo / n, v0 = lo - r * n;
+  for (; r <= r_last; ++r, v0 = 0) piece(r, RowSpan{v0 + lane, ws, r == r_last ? v_last : n, v0 == 0});
 }
 
 // A row's vectors of span `s` from src to row_of(d), for every rank d in
@@ -86,33 +84,33 @@ RC_DEVICE void sum_row(RowOf row_of, uint32_t mask, char* out, const RowSpan& s)
   using Pack = ElemPack<D, V>;
   constexpr int N = Pack::N;
   V* o = reinterpret_cast<V*>(out);
-  for (uint32_t v0 = s.first; v0 < s.end; v0 += s.stride * kSumUnroll) {
-    float acc[kSumUnroll][N];
-    auto load = [&](uint32_t m, Pack (&p)[kSumUnroll]) {
+  for (uint32_t v0 = s.first; v0 < s.end; v0 += s.stride * kRowUnroll) {
+    float acc[kRowUnroll][N];
+    auto load = [&](uint32_t m, Pack (&p)[kRowUnroll]) {
       const V* in = reinterpret_cast<const V*>(row_of(lowest_bit(m)));
 #pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u) {
+      for (int u = 0; u < kRowUnroll; ++u) {
         const uint32_t v = v0 + u * s.stride;
         p[u].v = v < s.end ? in[v] : V{};
       }
     };
     if (mask != 0) {
-      Pack p[kSumUnroll];
+      Pack p[kRowUnroll];
       load(mask, p);
 #pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u)
+      for (int u = 0; u < kRowUnroll; ++u)
 #pragma unroll
         for (int k = 0; k < N; ++k) acc[u][k] = E::load(p[u].e[k]);
       for (uint32_t m = mask & (mask - 1); m != 0; m &= m - 1) {
         load(m, p);
 #pragma unroll
-        for (int u = 0; u < kSumUnroll; ++u)
+        for (int u = 0; u < kRowUnroll; ++u)
 #pragma unroll
           for (int k = 0; k < N; ++k) acc[u][k] += E::load(p[u].e[k]);
       }
     }
 #pragma unroll
-    for (int u = 0; u < kSumUnroll; ++u) {
+    for (int u = 0; u < kRowUnroll; ++u) {
       const uint32_t v = v0 + u * s.stride;
       if (v >= s.end) continue;
       Pack q;
@@ -135,9 +133,9 @@ RC_DEVICE void for_item_rows(uint32_t* first, int G, uint32_t n, RowFn row) {
   }
   block_sync();
   int g = 0;  // item of row r: a warp's rows ascend, so the search resumes where it stopped
-  for_row_pieces(first[G], n, [&](int64_t r, const RowSpan& s) {
-    while (int64_t(first[g + 1]) <= r) ++g;
-    row(g, r - int64_t(first[g]), s);
+  for_row_pieces(first[G], n, [&](uint32_t r, const RowSpan& s) {
+    while (first[g + 1] <= r) ++g;
+    row(g, r - first[g], s);
   });
 }
 

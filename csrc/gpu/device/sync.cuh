@@ -62,15 +62,16 @@ RC_DEVICE void record_error(const Env& env, uint64_t word) {
   if (load_relaxed_sys(env.error) == 0) store_release_sys(env.error, word);
 }
 
-// Bounded wait of one thread for `*flag >= gen` (why `>=`: protocol.h, at
-// HeadSlot). False on timeout, or once another thread has failed, so a broken
-// op drains in one timeout, not one per wait.
-RC_DEVICE bool wait_flag(const Env& env, const uint64_t* flag, uint64_t gen, int op, int peer) {
-  if (load_acquire_sys(flag) >= gen) return true;
+// Bounded wait of one thread until ready() holds, for op `op` of generation
+// gen on `peer`. False on timeout, or once another thread has failed, so a
+// broken op drains in one timeout, not one per wait.
+template <typename Ready>
+RC_DEVICE bool wait_until(const Env& env, uint64_t gen, int op, int peer, Ready ready) {
+  if (ready()) return true;
   const uint64_t start = timer_ticks();
   for (uint32_t spin = 1;; ++spin) {
     spin_pause();
-    if (load_acquire_sys(flag) >= gen) return true;
+    if (ready()) return true;
     if ((spin & 127) == 0) {
       if (load_relaxed_sys(env.error) != 0) return false;
       if (timer_ticks() - start > env.timeout_ticks) {
@@ -79,6 +80,11 @@ RC_DEVICE bool wait_flag(const Env& env, const uint64_t* flag, uint64_t gen, int
       }
     }
   }
+}
+
+// Bounded wait for `*flag >= gen` (why `>=`: protocol.h, at HeadSlot).
+RC_DEVICE bool wait_flag(const Env& env, const uint64_t* flag, uint64_t gen, int op, int peer) {
+  return wait_until(env, gen, op, peer, [&] { return load_acquire_sys(flag) >= gen; });
 }
 
 RC_DEVICE uint32_t all_ranks(const Env& env) { return (1u << env.world) - 1; }
