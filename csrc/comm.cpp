@@ -51,10 +51,11 @@ void check_dtype(const char* op, const char* arg, const at::Tensor& t, at::Scala
                    dtype_name(t.scalar_type()));
 }
 
-void check_shape(const char* op, const char* arg, const at::Tensor& t,
-                 std::vector<int64_t> want, const char* meaning) {
-  TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(want), op, ": ", arg, " must have shape ",
-                    at::IntArrayRef(want), " (", meaning, "), got ", shape_str(t));
+// `want` is a view (an initializer list or a tensor's sizes): no allocation
+// on the eager path, which checks several shapes per call.
+void check_shape(const char* op, const char* arg, const at::Tensor& t, at::IntArrayRef want, const char* meaning) {
+  TORCH_CHECK_VALUE(t.sizes() == want, op, ": ", arg, " must have shape ", want, " (", meaning, "), got ",
+                    shape_str(t));
 }
 
 void check_ep(const CommConfig& c, const char* op) {
@@ -281,7 +282,7 @@ std::pair<at::Tensor, at::Tensor> Comm::all_reduce_rmsnorm(const at::Tensor& x,
   const int64_t H = x.size(-1);
   if (residual.has_value()) {
     check_device(op, "residual", *residual, dev);
-    check_shape(op, "residual", *residual, x.sizes().vec(), "x's shape");
+    check_shape(op, "residual", *residual, x.sizes(), "x's shape");
     check_dtype(op, "residual", *residual, st);
     check_contiguous(op, "residual", *residual);
   }

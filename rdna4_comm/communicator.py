@@ -31,8 +31,16 @@ TRANSPORT_ENV = "RDNA4_COMM_TRANSPORT"
 
 _ids = itertools.count()
 # The ops' packet; the methods call its .default overloads directly (no
-# overload resolution per call).
+# overload resolution per call) where torch.compile traces them, and the
+# callables behind those overloads (OpOverload.op) in eager calls, which
+# skips a Python frame per call (OpOverload.__call__: a fifth of combine's
+# own Python time).
 _OPS = torch.ops.rdna4_comm
+_EAGER = {name: getattr(_OPS, name).default.op for name in ("all_reduce", "all_reduce_rmsnorm", "dispatch", "combine")}
+
+
+def _op(name: str):
+    return getattr(_OPS, name).default if torch.compiler.is_compiling() else _EAGER[name]
 
 
 def _positive_int(name: str, value) -> int:
@@ -290,7 +298,7 @@ class Communicator:
             ``rdna4_comm.allreduce_algorithm``.
         """
         self._check_open()
-        return _OPS.all_reduce.default(x, self._order, self.id)
+        return _op("all_reduce")(x, self._order, self.id)
 
     def all_reduce_rmsnorm(
         self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float = 1e-6
@@ -319,7 +327,7 @@ class Communicator:
         self._check_open()
         if not isinstance(eps, (float, int)) or isinstance(eps, bool):
             raise TypeError(f"all_reduce_rmsnorm: eps must be a float, got {type(eps).__name__}")
-        return _OPS.all_reduce_rmsnorm.default(x, residual, weight, float(eps), self._order, self.id)
+        return _op("all_reduce_rmsnorm")(x, residual, weight, float(eps), self._order, self.id)
 
     def fused_path_counts(self) -> dict[str, int]:
         """Calls of :meth:`all_reduce_rmsnorm` on this rank by path ("one_stage",
@@ -349,11 +357,12 @@ class Communicator:
             reaches a rank once however many of its experts live there: one
             row per (token, destination rank).
         """
-        self._check_ep()
-        rx, ridx, rw, counts, recv_src, src_tokens, send_mask = _OPS.dispatch.default(
+        # The C++ op checks everything else, EP fields included.
+        self._check_open()
+        rx, ridx, rw, counts, recv_src, src_tokens, send_mask = _op("dispatch")(
             x, topk_idx, topk_weights, self._order, self.id
         )
-        handle = DispatchHandle(recv_src, counts, src_tokens, send_mask, self.id, tuple(x.shape[:-1]))
+        handle = DispatchHandle(recv_src, counts, src_tokens, send_mask, self.id, x.shape[:-1])
         return Dispatched(rx, ridx, rw if topk_weights is not None else None, counts, handle)
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -372,7 +381,7 @@ class Communicator:
             ascending, of ``y_r[row_r(t)]``, accumulated in float32 and rounded
             once. Tokens routed nowhere give zeros.
         """
-        self._check_ep()
+        self._check_open()
         if not isinstance(handle, DispatchHandle):
             raise TypeError(f"combine: handle must be a DispatchHandle (Dispatched.handle), got {type(handle).__name__}")
         if handle.comm_id != self.id:
@@ -381,17 +390,19 @@ class Communicator:
             )
         # Sizes only (no device read, no guard under torch.compile); the C++ op
         # checks every other field (docs/semantics.md, "Bad handles").
-        if not torch.compiler.is_compiling() and math.prod(handle.token_shape) != handle.send_mask.shape[0]:
+        compiling = torch.compiler.is_compiling()
+        shape = handle.token_shape
+        if not compiling and math.prod(shape) != handle.send_mask.shape[0]:
             raise ValueError(
-                f"combine: handle.token_shape {tuple(handle.token_shape)} holds {math.prod(handle.token_shape)} "
+                f"combine: handle.token_shape {tuple(shape)} holds {math.prod(shape)} "
                 f"tokens but handle.send_mask has {handle.send_mask.shape[0]}: the fields come from different dispatches"
             )
-        out = _OPS.combine.default(
+        out = (_OPS.combine.default if compiling else _EAGER["combine"])(
             y, handle.recv_src, handle.counts, handle.src_tokens, handle.send_mask, self._order, self.id
         )
         # The op returns [T, H]: a flat dispatch needs no view (an op call of
         # its own, on the eager path's host time).
-        return out if len(handle.token_shape) == 1 else out.view(*handle.token_shape, self.hidden)
+        return out if len(shape) == 1 else out.view(*shape, self.hidden)
 
     # ---------------------------------------------------------- lifecycle
 
@@ -435,14 +446,6 @@ class Communicator:
     def _check_open(self) -> None:
         if not self._open:
             raise RuntimeError(f"Communicator {self.id!r} is closed")
-
-    def _check_ep(self) -> None:
-        self._check_open()
-        if not self.max_tokens_per_rank:
-            raise RuntimeError(
-                "Communicator was created without EP fields; pass max_tokens_per_rank, hidden, "
-                "topk and num_experts to use dispatch/combine"
-            )
 
 
 def _release(comm_id: str, dist_group: Optional[dist.ProcessGroup]) -> None:

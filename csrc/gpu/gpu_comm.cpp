@@ -252,13 +252,17 @@ class GpuComm final : public Comm {
   // Stream order. A kernel's blocks read their generation at start and store
   // it back at their end (device/sync.cuh), so a kernel of this communicator
   // may start only once the one before it, on whatever stream, has finished.
-  // Every launch records last_launch_ after it, so a launch on another
-  // stream, or a graph replayed later, can wait for it. Under capture the
-  // record and the wait are external graph nodes, so a replay waits for the
-  // launch before it, and the launch after a replay waits for the replay
-  // (which the host does not see: replays may run on any stream). A launch
-  // skips the wait only where stream order already holds: the previous
-  // launch was on the same stream and no launch was ever captured.
+  // Launches on one stream are ordered by the stream itself, so event work is
+  // done only where that does not hold:
+  //  - on a stream change, the new stream waits for last_launch_, recorded
+  //    after the previous launch (if it was not, it is recorded now on the
+  //    previous stream: that covers the previous launch, and perhaps later
+  //    work there too, which only adds a wait);
+  //  - once a launch was captured, replays of that graph run when the host
+  //    does not see it, on any stream: every launch then records
+  //    last_launch_ after it and waits for it before, and under capture the
+  //    record and the wait are external graph nodes, so a replay waits for
+  //    the launch before it and the launch after a replay waits for the replay.
   template <typename Launch>
   void in_stream_order(Launch&& launch) {
     c10::cuda::CUDAGuard guard(cfg_.device_index);
@@ -266,10 +270,14 @@ class GpuComm final : public Comm {
     bool capturing = false;
     RC_GPU_CHECK(stream_is_capturing(s, &capturing));
     ever_captured_ = ever_captured_ || capturing;
-    if (!launched_ || s != last_stream_ || ever_captured_) RC_GPU_CHECK(stream_wait_event(s, last_launch_, capturing));
+    if (launched_ && (s != last_stream_ || ever_captured_)) {
+      if (!recorded_) RC_GPU_CHECK(event_record(last_launch_, last_stream_, false));
+      RC_GPU_CHECK(stream_wait_event(s, last_launch_, capturing));
+    }
     launch(s);
     RC_GPU_CHECK(get_last_error());
-    RC_GPU_CHECK(event_record(last_launch_, s, capturing));
+    recorded_ = ever_captured_;
+    if (recorded_) RC_GPU_CHECK(event_record(last_launch_, s, capturing));
     launched_ = true;
     last_stream_ = s;
   }
@@ -317,6 +325,7 @@ class GpuComm final : public Comm {
   Event last_launch_ = nullptr;
   bool launched_ = false;
   Stream last_stream_ = nullptr;  // of the last launch, once launched_
+  bool recorded_ = false;         // last_launch_ was recorded after the last launch
   bool ever_captured_ = false;
   std::thread watchdog_;
   std::mutex watchdog_mutex_;
