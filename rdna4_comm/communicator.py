@@ -33,8 +33,8 @@ _ids = itertools.count()
 # The ops' packet; the methods call its .default overloads directly (no
 # overload resolution per call) where torch.compile traces them, and the
 # callables behind those overloads (OpOverload.op) in eager calls, which
-# skips a Python frame per call (OpOverload.__call__: a fifth of combine's
-# own Python time).
+# skips a Python frame per call (OpOverload.__call__: 0.27 of the 2.5 us an
+# eager combine of no tokens costs on the CPU transport of a 2-core machine).
 _OPS = torch.ops.rdna4_comm
 _EAGER = {name: getattr(_OPS, name).default.op for name in ("all_reduce", "all_reduce_rmsnorm", "dispatch", "combine")}
 
