@@ -19,6 +19,7 @@ from conftest import GPU_WORLDS
 
 import rdna4_comm as rc
 from rdna4_comm import reference
+from rdna4_comm._ranks import runs_on_gpus
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "semantics.md"
 CAP, H, K = 6, 8, 3
@@ -312,8 +313,10 @@ HANDLE_CASES = {
 
 
 def t_bad_handle(ctx, case):
-    W, dev, gpu = ctx.world, ctx.device, ctx.transport == "gpu"
-    # A failed GPU combine leaves its communicator unusable: each case gets a new one there.
+    W, dev = ctx.world, ctx.device
+    # A handle on the GPU is checked after its combine ran (both transports
+    # that take one), which leaves the communicator unusable: each case gets a new one there.
+    gpu = dev.type == "cuda" and ctx.transport in ("gpu", "dist")
     new_comm = functools.partial(rc.Communicator, **ep_cfg(W), transport=ctx.transport)
     comm = new_comm() if gpu else ctx.comm(**ep_cfg(W))
     x, idx, w = (t.to(dev) for t in ep_inputs(1, ctx.rank, W, 4, ref_cfg(W), "random"))
@@ -366,11 +369,9 @@ def t_bad_handle(ctx, case):
 @pytest.mark.parametrize("case", sorted(HANDLE_CASES))
 @pytest.mark.parametrize("transport,size", WORLDS + [("dist", 2)], ids=[f"{t}{w}" for t, w in WORLDS + [("dist", 2)]])
 def test_bad_handle_values_raise_and_write_nothing_out_of_bounds(worlds, transport, size, case):
-    if transport == "dist" and torch.cuda.is_available() and rc._C.with_gpu:
-        pytest.skip("dist runs on the GPU here, where it does not check handle values (docs/semantics.md)")
     results = worlds(transport, size).run(t_bad_handle, case)
     _, ref = ep_reference(size)
-    kind = "RuntimeError" if transport == "gpu" else "ValueError"
+    kind = "RuntimeError" if runs_on_gpus(transport) else "ValueError"
     documented = documented_handle_cases()
     for r, (error, out, after, untouched, elapsed, fields) in enumerate(results):
         if r == BAD_RANK:
