@@ -345,17 +345,30 @@ at::Tensor Comm::empty(at::IntArrayRef sizes, at::ScalarType dtype) const {
   return at::empty(sizes, at::TensorOptions().device(device()).dtype(dtype));
 }
 
+std::array<OutputSpec, kDispatchOutputs> Comm::dispatch_outputs(at::ScalarType idx_dtype,
+                                                                c10::optional<at::ScalarType> weights_dtype) const {
+  const int64_t rows = int64_t(cfg_.world) * cfg_.cap, K = cfg_.topk;
+  return {{{{rows, cfg_.hidden}, 2, cfg_.dtype},
+           {{rows, K}, 2, idx_dtype},
+           {{weights_dtype ? rows : 0, K}, 2, weights_dtype.value_or(at::kFloat)},
+           {{cfg_.world, 0}, 1, at::kInt},
+           {{rows, 0}, 1, at::kInt},
+           {{cfg_.world, 0}, 1, at::kInt},
+           {{kTokenDim, 0}, 1, at::kInt}}};
+}
+
+OutputSpec Comm::combine_output() const { return {{kTokenDim, cfg_.hidden}, 2, cfg_.dtype}; }
+
 Dispatched Comm::allocate_dispatched(int64_t ntok, at::ScalarType idx_dtype,
                                      c10::optional<at::ScalarType> weights_dtype) const {
-  const int64_t rows = int64_t(cfg_.world) * cfg_.cap;
+  const auto specs = dispatch_outputs(idx_dtype, weights_dtype);
   Dispatched d;
-  d.x = empty({rows, cfg_.hidden}, cfg_.dtype);
-  d.topk_idx = empty({rows, cfg_.topk}, idx_dtype);
-  d.topk_weights = empty({weights_dtype ? rows : 0, cfg_.topk}, weights_dtype.value_or(at::kFloat));
-  d.counts = empty({cfg_.world}, at::kInt);
-  d.recv_src = empty({rows}, at::kInt);
-  d.src_tokens = empty({cfg_.world}, at::kInt);
-  d.send_mask = empty({ntok}, at::kInt);
+  at::Tensor* fields[kDispatchOutputs] = {&d.x, &d.topk_idx, &d.topk_weights, &d.counts,
+                                          &d.recv_src, &d.src_tokens, &d.send_mask};
+  for (int i = 0; i < kDispatchOutputs; ++i) {
+    const std::array<int64_t, 2> n = specs[i].with_tokens(ntok);
+    *fields[i] = empty(at::IntArrayRef(n.data(), specs[i].dims), specs[i].dtype);
+  }
   return d;
 }
 
@@ -435,7 +448,9 @@ at::Tensor Comm::combine(const at::Tensor& y, const at::Tensor& recv_src, const 
   TORCH_CHECK_VALUE(send_mask.dim() == 1 && send_mask.size(0) <= cfg_.cap, op,
                     ": handle.send_mask must have shape [T] with T <= ", cfg_.cap, ", got ",
                     shape_str(send_mask));
-  at::Tensor out = empty({send_mask.size(0), cfg_.hidden}, y.scalar_type());
+  const OutputSpec spec = combine_output();
+  const std::array<int64_t, 2> n = spec.with_tokens(send_mask.size(0));
+  at::Tensor out = empty(at::IntArrayRef(n.data(), spec.dims), spec.dtype);
   combine_impl(y, recv_src, counts, src_tokens, send_mask, out);
   return out;
 }

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "protocol.h"
+#include "layout.h"
 
 namespace rdna4_comm {
 
@@ -20,7 +20,7 @@ namespace rdna4_comm {
 // the layout derives from) and the rest. Built once, with keywords, by the
 // Python Communicator (_C.CommConfig, which validates the values first) and
 // read-only after; the C++ side validates the ops' arguments and answers the
-// fakes' questions about shapes (_C.comm_config).
+// fakes' questions about shapes (_C.dispatch_outputs, _C.combine_output).
 struct CommConfig : HeapConfig {
   std::string id;
   std::string transport;  // "cpu", "gpu" or "dist"
@@ -71,6 +71,24 @@ struct Dispatched {
   at::Tensor send_mask;   // [T] int32: bit d set when the token was sent to rank d
 };
 
+// An EP op's output: its shape, kTokenDim standing for the caller's token
+// count, and dtype. The transports' outputs and the fakes
+// (rdna4_comm.ops, through _C.dispatch_outputs and _C.combine_output) are
+// built from these alone.
+constexpr int64_t kTokenDim = -1;
+struct OutputSpec {
+  std::array<int64_t, 2> shape;
+  int dims;
+  at::ScalarType dtype;
+  // The shape for `ntok` tokens (its first `dims` entries).
+  std::array<int64_t, 2> with_tokens(int64_t ntok) const {
+    return {shape[0] == kTokenDim ? ntok : shape[0], shape[1] == kTokenDim ? ntok : shape[1]};
+  }
+};
+// Dispatched's fields in the op's order (x, topk_idx, topk_weights, counts,
+// recv_src, src_tokens, send_mask).
+constexpr int kDispatchOutputs = 7;
+
 // One chunk of all_reduce_rmsnorm: `rows` whole rows of `hidden` elements,
 // row-major and contiguous. residual is null without one; weight holds
 // `hidden` elements of dtype, or of fp32 when weight_fp32.
@@ -120,6 +138,10 @@ class Comm {
   // Peers it cannot see are bounded by the timeout alone.
   virtual void watch_peers(const std::vector<PeerProcess>& peers);
 
+  std::array<OutputSpec, kDispatchOutputs> dispatch_outputs(at::ScalarType idx_dtype,
+                                                            c10::optional<at::ScalarType> weights_dtype) const;
+  OutputSpec combine_output() const;
+
   at::Tensor all_reduce(const at::Tensor& x);
   Dispatched dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
                       const c10::optional<at::Tensor>& topk_weights);
@@ -157,8 +179,9 @@ class Comm {
   // The handle is user input: every value that picks a row, a chunk or a
   // rank is checked before the first protocol step, so a bad one raises a
   // ValueError and the communicator stays usable. For handles the host can
-  // read (the CPU transport, and "dist" on CPUs); the GPU kernel checks the
-  // same values (combine.cu) and check() reports them
+  // read (the CPU transport, and "dist" on CPUs; "dist" on GPUs checks a
+  // copy of the handle once it has landed, after the op); the GPU kernel
+  // checks the same values (combine.cu) and check() reports them
   // (device_bad_handle_message).
   void check_handle_values(const int32_t* recv_src, const int32_t* counts, const int32_t* src_tokens,
                            const int32_t* send_mask, int64_t ntok) const;

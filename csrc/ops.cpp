@@ -174,13 +174,34 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("connect", &connect, "Open every rank's heap from the gathered export handles");
   m.def("finish", &finish, "Finish bootstrap after a group barrier (unlink, P2P probe)");
   m.def("destroy", &remove_comm, "Release this rank's communicator");
-  // The fakes' (rdna4_comm/ops.py) view of a communicator: its configuration
-  // (the output shapes) and device, or None once it is closed.
-  m.def("comm_config", [](const std::string& id) -> py::object {
+  // The fakes' (rdna4_comm/ops.py) view of a communicator: its device, or
+  // None once it is closed.
+  m.def("comm_device", [](const std::string& id) -> py::object {
     auto c = lookup_comm(id);
     if (!c) return py::none();
-    return py::make_tuple(c->config(), c->device());
+    return py::cast(c->device());
   }, py::arg("id"));
+  // The fakes' output shapes (token_dim where the caller's token count goes) and dtypes.
+  auto specs_to_py = [](const OutputSpec* specs, int n) {
+    py::list out;
+    for (int i = 0; i < n; ++i) {
+      py::tuple shape(specs[i].dims);
+      for (int k = 0; k < specs[i].dims; ++k) shape[k] = specs[i].shape[k];
+      out.append(py::make_tuple(shape, specs[i].dtype));
+    }
+    return out;
+  };
+  m.def("dispatch_outputs", [specs_to_py](const std::string& id, at::ScalarType idx_dtype,
+                                          c10::optional<at::ScalarType> weights_dtype) {
+    const auto specs = find_comm(id)->dispatch_outputs(idx_dtype, weights_dtype);
+    return specs_to_py(specs.data(), kDispatchOutputs);
+  }, py::arg("id"), py::arg("idx_dtype"), py::arg("weights_dtype"),
+        "dispatch's outputs, in order: [(shape, dtype)]");
+  m.def("combine_output", [specs_to_py](const std::string& id) {
+    const OutputSpec spec = find_comm(id)->combine_output();
+    return py::object(specs_to_py(&spec, 1)[0]);
+  }, py::arg("id"), "combine's output: (shape, dtype)");
+  m.attr("token_dim") = kTokenDim;
   m.def("check", &check, "Raise if an earlier op of the communicator failed");
   m.def("watch_peers", &watch_peers, "Watch the peers' processes: [(rank, pid, start_time)]");
   m.def("process_start_time", &process_start_time, py::arg("pid"),

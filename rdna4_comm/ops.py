@@ -1,5 +1,5 @@
 """torch.ops.rdna4_comm.*: fake (meta) implementations, which ask the C++
-communicator (rdna4_comm._C.comm_config) for its shapes, and the ordering
+communicator (rdna4_comm._C.dispatch_outputs, combine_output) for their shapes, and the ordering
 token every op takes.
 
 The schemas and the real CPU/CUDA implementations are registered by the C++
@@ -54,57 +54,51 @@ def mark_dynamic_tokens(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return x
 
 
-def _config_of(comm_id: str, op: str, **tensors):
-    """The communicator's configuration (an rdna4_comm._C.CommConfig), after
-    checking that every tensor is on its device."""
-    found = _C.comm_config(comm_id)
-    if found is None:
+def _check_devices(comm_id: str, op: str, **tensors) -> None:
+    """Raise unless the communicator is open here and every tensor is on its device."""
+    device = _C.comm_device(comm_id)
+    if device is None:
         raise ValueError(
             f"rdna4_comm: no open communicator with id {comm_id!r} in this process "
             "(it was closed, or never created here)"
         )
-    s, device = found
     # The C++ ops check everything else; a call with a tensor on another
     # device (meta included) reaches this fake instead of them.
     for arg, t in tensors.items():
         if t is not None and t.device != device:
             raise ValueError(f"{op}: {arg} must be on {device} (the communicator's device), got {t.device}")
-    return s
 
 
 @torch.library.register_fake("rdna4_comm::all_reduce")
 def _all_reduce_fake(x: torch.Tensor, order: torch.Tensor, comm: str) -> torch.Tensor:
-    _config_of(comm, "all_reduce", x=x, order=order)
+    _check_devices(comm, "all_reduce", x=x, order=order)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _new_output(like: torch.Tensor, spec, tokens):
+    """An empty tensor of an output spec of the C++ communicator (shape with
+    _C.token_dim where the token count goes, dtype) on like's device."""
+    shape, dtype = spec
+    return like.new_empty(tuple(tokens if n == _C.token_dim else n for n in shape), dtype=dtype)
 
 
 @torch.library.register_fake("rdna4_comm::dispatch")
 def _dispatch_fake(x, topk_idx, topk_weights, order, comm):
-    s = _config_of(comm, "dispatch", x=x, topk_idx=topk_idx, topk_weights=topk_weights, order=order)
-    rows = s.world * s.cap
-    i32 = dict(dtype=torch.int32, device=x.device)
+    _check_devices(comm, "dispatch", x=x, topk_idx=topk_idx, topk_weights=topk_weights, order=order)
     tokens = math.prod(x.shape[:-1])  # leading dimensions of x are tokens
-    weights_dtype = topk_weights.dtype if topk_weights is not None else torch.float32
-    return (
-        x.new_empty((rows, s.hidden), dtype=s.dtype),
-        x.new_empty((rows, s.topk), dtype=topk_idx.dtype),
-        x.new_empty((rows if topk_weights is not None else 0, s.topk), dtype=weights_dtype),
-        x.new_empty((s.world,), **i32),
-        x.new_empty((rows,), **i32),
-        x.new_empty((s.world,), **i32),
-        x.new_empty((tokens,), **i32),
-    )
+    specs = _C.dispatch_outputs(comm, topk_idx.dtype, topk_weights.dtype if topk_weights is not None else None)
+    return tuple(_new_output(x, spec, tokens) for spec in specs)
 
 
 @torch.library.register_fake("rdna4_comm::combine")
 def _combine_fake(y, recv_src, counts, src_tokens, send_mask, order, comm):
-    s = _config_of(comm, "combine", y=y, recv_src=recv_src, counts=counts, src_tokens=src_tokens,
-                send_mask=send_mask, order=order)
-    return y.new_empty((send_mask.shape[0], s.hidden))
+    _check_devices(comm, "combine", y=y, recv_src=recv_src, counts=counts, src_tokens=src_tokens,
+               send_mask=send_mask, order=order)
+    return _new_output(y, _C.combine_output(comm), send_mask.shape[0])
 
 
 @torch.library.register_fake("rdna4_comm::all_reduce_rmsnorm")
 def _all_reduce_rmsnorm_fake(x, residual, weight, eps, order, comm):
-    _config_of(comm, "all_reduce_rmsnorm", x=x, residual=residual, weight=weight, order=order)
+    _check_devices(comm, "all_reduce_rmsnorm", x=x, residual=residual, weight=weight, order=order)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     return out, torch.empty_like(out)
