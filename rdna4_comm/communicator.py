@@ -193,11 +193,8 @@ class Communicator:
             )
         slot_bytes = None if allreduce_slot_bytes is None else _positive_int("allreduce_slot_bytes", allreduce_slot_bytes)
 
-        self.max_tokens_per_rank, self.hidden, self.topk, self.num_experts = cap, hidden, topk, num_experts
-        self.num_local_experts = num_experts // self.world_size
-        self.local_experts = range(self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts)
-        self.dtype = dtype
-        self.timeout_ms = timeout_ms
+        settings = dict(rank=self.rank, world=self.world_size, cap=cap, hidden=hidden, topk=topk,
+                        num_experts=num_experts, dtype=dtype, timeout_ms=timeout_ms)
         # "dist" runs on the GPUs when every rank has one, else on the CPU.
         on_gpu = all(rep.gpu is not None for rep in reports) and choice.transport != "cpu"
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
@@ -206,14 +203,14 @@ class Communicator:
         self._open = False
 
         try:
-            problems = self._start(choice.transport, slot_bytes, reports, rendezvous)
+            problems = self._start(choice.transport, slot_bytes, reports, rendezvous, settings)
             if problems:
                 probe = "peer-to-peer probe failed: " + "; ".join(problems)
                 if transport != "auto":
                     raise RuntimeError(f"Communicator: {probe}")
                 # Every rank saw the same problems, so every rank falls back.
                 choice = TransportChoice("dist", probe, True)
-                self._start("dist", slot_bytes, reports, rendezvous)
+                self._start("dist", slot_bytes, reports, rendezvous, settings)
         except BaseException as e:
             rendezvous.fail(e)
             rendezvous.remove_segments_of_exited()
@@ -243,8 +240,9 @@ class Communicator:
         return pg
 
     def _start(self, transport: str, slot_bytes: Optional[int], reports: Sequence[RankReport],
-               rendezvous: Rendezvous) -> list:
-        """Create this rank's transport and connect it to its peers (collective).
+               rendezvous: Rendezvous, settings: dict) -> list:
+        """Create this rank's transport from ``settings`` (the validated fields
+        of its _C.CommConfig) and connect it to its peers (collective).
         Returns the links that failed the GPU probe, in the same words on every
         rank; with any, the transport is released again."""
         dist_group = None
@@ -258,14 +256,13 @@ class Communicator:
             # The group's own timeout bounds its connection set-up (every
             # collective carries timeout_ms itself): at least DIST_SETUP_MS,
             # which connecting gloo's pairs can take on a loaded host.
-            setup = timedelta(milliseconds=max(self.timeout_ms, DIST_SETUP_MS))
+            setup = timedelta(milliseconds=max(settings["timeout_ms"], DIST_SETUP_MS))
             dist_group = self._own_group("nccl" if nccl else "gloo", setup, rendezvous)
-        handle = _C.create(_C.CommConfig(
+        self._config = _C.CommConfig(
             id=self.id, transport=transport, group_name=dist_group.group_name if dist_group is not None else "",
-            rank=self.rank, world=self.world_size, cap=self.max_tokens_per_rank, hidden=self.hidden,
-            topk=self.topk, num_experts=self.num_experts, dtype=self.dtype,
             ar_slot_bytes=_C.allreduce_slot_bytes(transport, slot_bytes or 0),
-            timeout_ms=self.timeout_ms, device_index=-1 if self.device.index is None else self.device.index))
+            device_index=-1 if self.device.index is None else self.device.index, **settings)
+        handle = _C.create(self._config)
         self._open = True
         self._finalizer = weakref.finalize(self, _release, self.id, dist_group)
         # Stage names carry the transport: a fallback to dist exchanges anew.
@@ -279,6 +276,25 @@ class Communicator:
             self._open = False
             self._finalizer()
         return bad
+
+    # The configuration has one holder, the CommConfig the C++ communicator
+    # was created from (self._config, read-only): these read it.
+    max_tokens_per_rank = property(lambda self: self._config.cap, doc="``cap``; 0 without dispatch/combine.")
+    hidden = property(lambda self: self._config.hidden, doc="``H``; 0 without dispatch/combine.")
+    topk = property(lambda self: self._config.topk, doc="``K``; 0 without dispatch/combine.")
+    num_experts = property(lambda self: self._config.num_experts, doc="``E``; 0 without dispatch/combine.")
+    dtype = property(lambda self: self._config.dtype, doc="Payload dtype of dispatch/combine.")
+    timeout_ms = property(lambda self: self._config.timeout_ms, doc="Bound of every wait, in milliseconds.")
+
+    @property
+    def num_local_experts(self) -> int:
+        """Experts per rank, ``E / W``."""
+        return self.num_experts // self.world_size
+
+    @property
+    def local_experts(self) -> range:
+        """This rank's global expert ids, ``[rank*E/W, (rank+1)*E/W)``."""
+        return range(self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts)
 
     # ------------------------------------------------------------------ ops
 
