@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "../protocol.h"
+#include "../layout.h"
 #include "platform.h"
 
 namespace rdna4_comm {
