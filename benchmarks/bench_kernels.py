@@ -116,9 +116,9 @@ import _common
 import torch
 
 from rdna4_comm._bench.kernel_cases import CPU_SHAPES, DTYPE, GPU_SHAPES, Cases, Shapes
-from rdna4_comm._bench.ncu import aggregate, find_ncu, function_base, ncu_version, run_ncu
+from rdna4_comm._bench.ncu import aggregate, find_ncu, ncu_table, ncu_version, run_ncu
 from rdna4_comm._bench.profiling import Timer
-from rdna4_comm._bench.report import format_table
+from rdna4_comm._bench.report import finite, format_table
 from rdna4_comm._timing import Stats
 from rdna4_comm._bench.world import describe
 from rdna4_comm._ranks import one_rank, usable_gpus
@@ -293,17 +293,6 @@ def measure_row(row: Row, cases: Cases, timer: Timer, rounds: int, calls: int, h
             "met": (value <= row.target) if timer.gpu else None}
 
 
-def finite(obj):
-    """``obj`` with NaN and infinite floats as None (plain JSON)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [finite(v) for v in obj]
-    return obj
-
-
 def result_line(rec: dict, cases: Cases, timer: Timer) -> dict:
     row: Row = rec["row"]
 
@@ -359,36 +348,6 @@ def table(records: list[dict], gpu: bool, ncu: Optional[dict]) -> str:
             line += [pick(op, "dram_pct"), pick(op, "dram_gbs"), pick(op, "inst"), pick(op, "inst_per_byte"),
                      pick(base, "dram_pct"), pick(base, "dram_gbs"), pick(base, "inst_per_byte")]
         rows.append(line)
-    return format_table(header, rows)
-
-
-def breakdown_table(records: list[dict], timer: Timer) -> str:
-    """Per op of the device rows: each device activity with its p50 (GPU)."""
-    lines = []
-    seen = set()
-    for rec in records:
-        row: Row = rec["row"]
-        if row.measure != "device":
-            continue
-        for key in [row.op] + ([row.baseline] if row.baseline else []):
-            if key in seen:
-                continue
-            seen.add(key)
-            parts = [f"{function_base(n) or n} ({k}) {us:.1f} us" for n, k, us in timer.breakdown(key)]
-            lines.append(f"  {key}: " + (", ".join(parts) if parts else "-"))
-    return "\n".join(lines)
-
-
-def ncu_table(ncu: dict) -> str:
-    header = ["op", "kernel", "ncu us", "DRAM %", "DRAM GB/s", "DRAM MB", "inst", "inst/B"]
-    rows = []
-    for key in NCU_OPS:
-        for k in ncu.get(key, []):
-            rows.append([key, k["kernel"], k["time_us"], k["dram_pct"], k["dram_gbs"], k["dram_bytes"] / 1e6,
-                         k["inst"], k["inst_per_byte"]])
-        if not ncu.get(key):
-            rows.append([key, "(no kernel: memcpy, not profiled by ncu)" if key == "copy" else "(none)",
-                         math.nan, math.nan, math.nan, math.nan, math.nan, math.nan])
     return format_table(header, rows)
 
 
@@ -488,11 +447,13 @@ def main(argv=None) -> int:
                 print(f"  {key}: {details[key]}")
             if timer.gpu:
                 print("device activities per op (p50 per call):")
-                print(breakdown_table(records, timer))
+                print(timer.breakdown_table(dict.fromkeys(
+                    k for rec in records if rec["row"].measure == "device" for k in (rec["row"].op, rec["row"].baseline)
+                    if k)))
             if ncu is not None:
                 print("\nncu, one call of each op (clocks as ncu sets them; ratios and shares, not absolute "
                       "times, compare with the table):")
-                print(ncu_table(ncu["_kernels"]))
+                print(ncu_table(ncu["_kernels"], NCU_OPS))
             print("\nDevice time (rows 1-5): " + ("torch.profiler, the sum of a call's kernels, memcpys and memsets"
                                                   if timer.gpu else "the wall clock of each call") +
                   "; host time (rows 6-7): perf_counter around blocks of back-to-back eager calls" +

@@ -14,13 +14,13 @@ import argparse
 import sys
 
 import torch
-import torch.distributed as dist
 
 import rdna4_comm as rc
 from rdna4_comm import reference
 from rdna4_comm.reference import assert_rmsnorm_within_contract
 from rdna4_comm._checks import assert_same, received_rows
 from rdna4_comm._launch import Member, ProcessWorld, to_cpu
+from rdna4_comm._ranks import RankContext
 
 W, CAP, H, TOPK = 2, 16, 64, 2
 EXPERTS = 4 * W
@@ -28,15 +28,10 @@ TIMEOUT_MS = 600_000  # the sanitizer slows kernels by orders of magnitude
 EPS = 1e-6
 
 
-class Rank:
-    def __init__(self, member: Member):
-        self.rank = member.rank
-        self.device = torch.device("cuda", member.rank % torch.cuda.device_count())
-        torch.cuda.set_device(self.device)
-        dist.init_process_group("gloo", init_method=member.init_method, rank=member.rank, world_size=member.world)
-
-    def close(self):
-        dist.destroy_process_group()
+def gpu_rank(member: Member) -> RankContext:
+    """A rank on the GPUs, shared round-robin where there are fewer than ranks."""
+    device = torch.device("cuda", member.rank % torch.cuda.device_count())
+    return RankContext(member.rank, member.world, "gpu", device, member.init_method, member=member)
 
 
 def tensor(seed: int, rank: int, shape, dtype=torch.bfloat16) -> torch.Tensor:
@@ -64,7 +59,7 @@ def wide_hidden() -> int:
 AR_ONE_SHOT, AR_TWO_SHOT = (5, 100), (300_000,)  # fp32: below and above the one-shot bound
 
 
-def every_op(ctx: Rank, plant: bool):
+def every_op(ctx: RankContext, plant: bool):
     dev, r = ctx.device, ctx.rank
     comm = rc.Communicator(max_tokens_per_rank=CAP, hidden=H, topk=TOPK, num_experts=EXPERTS,
                            dtype=torch.bfloat16, allreduce_slot_bytes=SLOT, timeout_ms=TIMEOUT_MS)
@@ -125,7 +120,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--plant-oob", action="store_true", help="rank 1 makes one out-of-bounds store")
     args = p.parse_args(argv)
-    with ProcessWorld(W, Rank) as world:
+    with ProcessWorld(W, gpu_rank) as world:
         per_rank = world.call(every_op, {r: (args.plant_oob,) for r in range(W)})
     check(per_rank)
     print(f"sanitize_ops: every op checked on {W} ranks (eager and 2 graph replays), the fused op one_stage "

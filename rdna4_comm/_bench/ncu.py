@@ -21,6 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from .._timing import format_table
+
 NCU_METRICS = ("dram__throughput.avg.pct_of_peak_sustained_elapsed", "dram__bytes.sum",
                "smsp__inst_executed.sum", "gpu__time_duration.sum")
 # The kernels profiled (demangled names): rdna4_comm's dispatch and combine
@@ -220,3 +222,17 @@ def ncu_version(ncu: str) -> str:
         return out.splitlines()[-1] if out else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def ncu_table(ncu: dict, ops) -> str:
+    """A line per kernel of each op of ``ops`` (op -> its kernels' ncu columns, as run_ncu gives them)."""
+    header = ["op", "kernel", "ncu us", "DRAM %", "DRAM GB/s", "DRAM MB", "inst", "inst/B"]
+    rows = []
+    for key in ops:
+        for k in ncu.get(key, []):
+            rows.append([key, k["kernel"], k["time_us"], k["dram_pct"], k["dram_gbs"], k["dram_bytes"] / 1e6,
+                         k["inst"], k["inst_per_byte"]])
+        if not ncu.get(key):
+            rows.append([key, "(no kernel: memcpy, not profiled by ncu)" if key == "copy" else "(none)",
+                         math.nan, math.nan, math.nan, math.nan, math.nan, math.nan])
+    return format_table(header, rows)

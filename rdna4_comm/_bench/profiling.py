@@ -28,6 +28,7 @@ import torch
 
 from .._timing import _GpuClock
 from .._ranks import RankContext
+from .ncu import function_base
 
 # The prefix of the record_function ranges Timer opens around each call.
 ANNOTATION = "rdna4_comm/bench_kernels:"
@@ -138,6 +139,14 @@ class Timer:
         shape = [(n, k) for n, k, _ in calls[-1]]
         same = [c for c in calls if [(n, k) for n, k, _ in c] == shape]
         return [(n, k, statistics.median(c[i][2] for c in same)) for i, (n, k) in enumerate(shape)]
+
+    def breakdown_table(self, keys) -> str:
+        """A line per op of ``keys``: its device activities with their p50 (GPU)."""
+        lines = []
+        for key in keys:
+            parts = [f"{function_base(n) or n} ({k}) {us:.1f} us" for n, k, us in self.breakdown(key)]
+            lines.append(f"  {key}: " + (", ".join(parts) if parts else "-"))
+        return "\n".join(lines)
 
     # graph replay --------------------------------------------------------
     def graph_times(self, ops: dict[str, Any], order: list[str], rounds: int, calls: int) -> dict[str, list[float]]:

@@ -15,6 +15,17 @@ from typing import Sequence
 from .._timing import Stats, format_table
 
 
+def finite(obj):
+    """``obj`` with NaN and infinite floats as None (plain JSON)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
 def speedup(stats: dict[str, Stats], backend: str) -> float:
     """rdna4_comm's speedup over ``backend`` in one configuration: its p50 /
     rdna4_comm's p50 (> 1: rdna4_comm is faster; 1.0 for rdna4_comm itself)."""

@@ -22,13 +22,14 @@ def resolve_world(transport: str = "auto", world: Optional[int] = None) -> tuple
     """(transport, world size) for a launch. "auto" means what it means to a
     Communicator: the library's choice (choose_transport) for the ranks of the
     world, one process per usable GPU where there are at least 2 (so "gpu",
-    or "dist" without peer access), else 2 CPU processes ("cpu"). ``world``
+    or "dist" without peer access), else 2 CPU processes ("cpu"). "dist" runs
+    on the GPUs where there are any, else on CPU processes. ``world``
     overrides the size."""
     gpus = usable_gpus()
     if transport == "auto":
         reports = [device_report(d) for d in range(gpus)] if gpus >= 2 else [device_report(None)] * 2
         transport = choose_transport("auto", reports, with_gpu=bool(_C.with_gpu), allow_shared_gpu=False).transport
-    if transport in ("gpu", "dist"):  # "dist" only from "auto": a world of GPU processes without peer access
+    if transport == "gpu" or (transport == "dist" and gpus > 0):  # "dist" takes the GPUs where there are any
         if gpus == 0:
             raise ValueError(
                 f"transport {transport!r} needs GPUs and a GPU build of rdna4_comm "
@@ -37,12 +38,12 @@ def resolve_world(transport: str = "auto", world: Optional[int] = None) -> tuple
         world = gpus if world is None else world
         if not 1 <= world <= gpus:
             raise ValueError(f"--world {world}: {gpus} usable GPU(s) here, one process per GPU")
-    elif transport == "cpu":
+    elif transport in ("cpu", "dist"):
         world = 2 if world is None else world
         if not 1 <= world <= _C.max_world:
-            raise ValueError(f"--world {world}: the CPU transport takes 1..{_C.max_world} processes")
+            raise ValueError(f"--world {world}: {transport!r} on CPUs takes 1..{_C.max_world} processes")
     else:
-        raise ValueError(f"transport must be 'auto', 'gpu' or 'cpu', got {transport!r}")
+        raise ValueError(f"transport must be 'auto', 'gpu', 'cpu' or 'dist', got {transport!r}")
     return transport, world
 
 
