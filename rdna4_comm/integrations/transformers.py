@@ -10,6 +10,11 @@
   ``experts_implementation``: eager, grouped_mm, batched_mm, ...) and its
   shared experts; each rank holds only its experts, global ids
   ``[rank*E/W, (rank+1)*E/W)``.
+- :func:`expert_parallel` converts every MoE block of a whole model in
+  place (dense layers stay as they are); :func:`ep_fields` reads the
+  communicator's EP fields from the model's config; :func:`idle_forward`
+  and :func:`idle_generate` let a rank without prompts take part in its
+  peers' forward and ``generate(synced_gpus=True)``.
 - :class:`TensorParallelMLP` (defined in :mod:`rdna4_comm.tp`) turns a
   LlamaMLP-style block (``gate_proj``, ``up_proj``, ``down_proj``,
   ``act_fn``) into its tensor-parallel form: gate/up column-parallel, down
@@ -36,7 +41,10 @@ from torch import nn
 from ..communicator import Communicator
 from ..tp import TensorParallelMLP
 
-__all__ = ["ADAPTERS", "ExpertParallelMoEBlock", "MoEAdapter", "Routing", "TensorParallelMLP", "adapter_for"]
+__all__ = [
+    "ADAPTERS", "ExpertParallelMoEBlock", "MoEAdapter", "Routing", "TensorParallelMLP", "adapter_for", "ep_fields",
+    "expert_parallel", "idle_forward", "idle_generate",
+]
 
 
 class Routing(NamedTuple):
@@ -144,8 +152,9 @@ def adapter_for(block: nn.Module) -> MoEAdapter:
         if cls.__name__ in ADAPTERS:
             return ADAPTERS[cls.__name__]
     raise TypeError(
-        f"no MoE adapter for {type(block).__name__}; pass adapter=MoEAdapter(...) "
-        f"(known blocks: {', '.join(ADAPTERS)})"
+        f"no MoE adapter for {type(block).__name__} (known blocks: {', '.join(ADAPTERS)}): for an MoE block of "
+        "another family pass adapter=MoEAdapter(...); a dense MLP needs none (expert_parallel(model, comm) "
+        "converts a model's MoE blocks and leaves its dense layers)"
     )
 
 
@@ -237,3 +246,83 @@ class ExpertParallelMoEBlock(nn.Module):
         if self.adapter.shared is not None:
             out = out + self.adapter.shared(self, x)
         return self.adapter.output(out.view(hidden_states.shape), routing)
+
+
+# The expert count's name in the configs of HF MoE models (Mixtral, GPT-OSS,
+# Llama 4: num_local_experts; Qwen2/3-MoE, OLMoE: num_experts; DeepSeek-V3:
+# n_routed_experts), tried in this order.
+_EXPERT_COUNT_NAMES = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def ep_fields(config) -> dict:
+    """``hidden``, ``topk`` and ``num_experts`` of an HF MoE model's config
+    (its ``text_config`` where it has one), whatever the model names them:
+    the EP fields of its :class:`~rdna4_comm.Communicator`::
+
+        comm = rc.Communicator(max_tokens_per_rank=batch * seq_len, dtype=model.dtype,
+                               **ep_fields(model.config))
+    """
+    cfg = getattr(config, "text_config", None) or config
+    experts = next((n for n in (getattr(cfg, name, None) for name in _EXPERT_COUNT_NAMES)
+                    if isinstance(n, int) and n > 0), None)
+    topk = getattr(cfg, "num_experts_per_tok", None)
+    if experts is None or not isinstance(topk, int):
+        raise ValueError(f"{type(cfg).__name__} names no expert count ({', '.join(_EXPERT_COUNT_NAMES)}) "
+                         "and top-k (num_experts_per_tok): not an MoE model config")
+    return dict(hidden=cfg.hidden_size, topk=topk, num_experts=experts)
+
+
+def expert_parallel(model: nn.Module, comm: Communicator) -> nn.Module:
+    """Make ``model`` expert-parallel in place and return it: every MoE block
+    with an adapter (:data:`ADAPTERS`, by class or base class) becomes an
+    :class:`ExpertParallelMoEBlock` on ``comm`` under the same name, so the
+    state-dict keys stay the same; every other module (attention, dense MLP
+    layers, norms) stays as it is and runs on this rank's own tokens.
+
+    Every rank converts an identical model (same weights) with the same
+    communicator, and from then on runs every forward its peers run:
+    a rank without prompts calls :func:`idle_forward` (or
+    :func:`idle_generate`) instead. Raises ValueError if the model has no
+    MoE block with an adapter.
+    """
+    found = [(name, module) for name, module in model.named_modules()
+             if any(cls.__name__ in ADAPTERS for cls in type(module).__mro__)]
+    # An adapted block's own submodules are never blocks themselves; skip them anyway.
+    blocks = [(n, m) for n, m in found if not any(n.startswith(o + ".") for o, _ in found if o != n)]
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} has no MoE block with an adapter (known blocks: {', '.join(ADAPTERS)})")
+    for name, block in blocks:
+        parent_name, _, attr = name.rpartition(".")
+        model.get_submodule(parent_name).add_module(attr, ExpertParallelMoEBlock(block, comm))
+    return model
+
+
+def _dummy_prompt(model: nn.Module) -> torch.Tensor:
+    """One token (id 0) of one sequence on the model's device."""
+    return torch.zeros((1, 1), dtype=torch.long, device=next(model.parameters()).device)
+
+
+def idle_forward(model: nn.Module) -> None:
+    """For a rank without prompts while its peers run ``model(input_ids)``:
+    one forward on a one-token dummy prompt, its output dropped. HF models
+    cannot run a batch of zero sequences; a dummy token issues every
+    converted block's dispatch and combine in the model's order, as the
+    peers' forward does."""
+    with torch.no_grad():
+        model(input_ids=_dummy_prompt(model))
+
+
+def idle_generate(model: nn.Module, **generate_kwargs) -> None:
+    """For a rank without prompts while its peers run
+    ``model.generate(..., synced_gpus=True)``: generate one token from a
+    one-token dummy prompt with ``synced_gpus=True``. The rank has then
+    finished, and HF's synced loop keeps it running a forward per step (and
+    so every converted block's collectives) until every rank has finished.
+    ``generate_kwargs`` are the peers' other arguments (``do_sample`` and so
+    on); ``max_new_tokens`` and ``synced_gpus`` are set here."""
+    for name in ("max_length", "min_new_tokens", "min_length"):
+        generate_kwargs.pop(name, None)
+    generate_kwargs.update(max_new_tokens=1, synced_gpus=True)
+    with torch.no_grad():
+        model.generate(_dummy_prompt(model), **generate_kwargs)
+
