@@ -14,7 +14,8 @@ import torch
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
-CPU_SOURCES = ["csrc/ops.cpp", "csrc/comm.cpp", "csrc/cpu/cpu_comm.cpp", "csrc/torch_dist/dist_comm.cpp"]
+CPU_SOURCES = ["csrc/ops.cpp", "csrc/comm.cpp", "csrc/ep_layouts.cpp", "csrc/handle_checks.cpp", "csrc/cpu/cpu_comm.cpp",
+               "csrc/torch_dist/dist_comm.cpp"]
 # One .cu per op family (all_reduce, all_reduce_rmsnorm, dispatch, combine, probe) and the test kernels.
 GPU_SOURCES = ["csrc/gpu/gpu_comm.cpp"] + sorted(glob.glob("csrc/gpu/*.cu"))
 

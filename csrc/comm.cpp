@@ -1,5 +1,6 @@
 #include "comm.h"
 
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
@@ -147,103 +148,38 @@ std::string Comm::timeout_message(int op, int peer, uint64_t gen) const {
   return s.str();
 }
 
-std::string Comm::bad_handle_message(int field, int64_t index, int64_t value, const std::string& expected) {
-  std::ostringstream s;
-  s << "combine: " << handle_field_name(field) << "[" << index << "] = " << value
-    << " is out of range: expected " << expected
-    << ". The handle is not the Dispatched.handle of this communicator's matching dispatch";
-  return s.str();
+void Comm::defer_check(std::initializer_list<at::Tensor> values, std::function<void(const int32_t*)> check) {
+  int64_t n = 0;
+  for (const at::Tensor& t : values) n += t.numel();
+  const at::Device dev = values.begin()->device();
+  DeferredCheck c{at::empty({n}, at::TensorOptions().dtype(at::kInt).pinned_memory(dev.is_cuda())), c10::nullopt,
+                  std::move(check)};
+  if (dev.is_cuda()) {
+#ifdef RDNA4_COMM_WITH_GPU
+    if (current_stream_capturing(dev.index())) return;
+#endif
+    c.landed.emplace(dev.type());
+  }
+  int64_t at = 0;
+  for (const at::Tensor& t : values) {
+    c.host.narrow(0, at, t.numel()).copy_(t.reshape(-1), /*non_blocking=*/dev.is_cuda());
+    at += t.numel();
+  }
+  if (c.landed) c.landed->record(c10::impl::VirtualGuardImpl(dev.type()).getStream(dev));
+  deferred_.push_back(std::move(c));
 }
 
-std::string Comm::handle_expectation(int field, int64_t index, const HandleFacts& f) const {
-  const int64_t cap = cfg_.cap;
-  std::ostringstream e;
-  switch (field) {
-    case kHandleRecvSrc:
-      if (f.previous >= 0)
-        e << "greater than handle.recv_src[" << f.previous << "] = " << f.previous_value
-          << " (a source's rows ascend by token)";
-      else if (f.source >= 0)
-        e << "a row of source rank " << f.source << ", " << f.source << " * " << cap << " + t with t below "
-          << f.source_tokens << " (the source rank " << f.source << "'s token count): in [" << f.source * cap
-          << ", " << f.source * cap + f.source_tokens << ")";
-      else
-        e << "for a received row (below handle.counts.sum()) s * " << cap
-          << " + t, s its source rank and t below that rank's token count (handle.src_tokens[s]), "
-             "greater than the row before it from the same source (a source's rows ascend by token)";
-      break;
-    case kHandleCounts: e << "a row count in [0, " << cap << "] (max_tokens_per_rank)"; break;
-    case kHandleSrcTokens:
-      if (f.tokens >= 0) {
-        e << f.tokens << ", this rank's token count (the length of handle.send_mask)";
-      } else {
-        e << "a token count in [0, " << cap << "] (max_tokens_per_rank)";
-        if (!f.host && index == cfg_.rank) e << ", for this rank the length of handle.send_mask";
-      }
-      break;
-    default:
-      e << "a set of ranks below the world size " << cfg_.world << ", in [0, " << ((int64_t(1) << cfg_.world) - 1)
-        << "]";
+void Comm::raise_pending() {
+  while (!deferred_.empty() && (!deferred_.front().landed || deferred_.front().landed->query())) {
+    const DeferredCheck c = std::move(deferred_.front());
+    deferred_.pop_front();
+    c.check(c.host.data_ptr<int32_t>());
   }
-  return e.str();
-}
-
-void Comm::check_handle_values(const int32_t* recv_src, const int32_t* counts, const int32_t* src_tokens,
-                               const int32_t* send_mask, int64_t ntok) const {
-  const int W = cfg_.world, me = cfg_.rank;
-  const int64_t cap = cfg_.cap;
-  auto fail = [&](int field, int64_t index, int64_t value, HandleFacts facts) {
-    facts.host = true;
-    TORCH_CHECK_VALUE(false, bad_handle_message(field, index, value, handle_expectation(field, index, facts)));
-  };
-  for (int s = 0; s < W; ++s) {
-    if (counts[s] < 0 || counts[s] > cap) fail(kHandleCounts, s, counts[s], {});
-    if (src_tokens[s] < 0 || src_tokens[s] > cap) fail(kHandleSrcTokens, s, src_tokens[s], {});
-  }
-  if (src_tokens[me] != ntok) {
-    HandleFacts f;
-    f.tokens = ntok;
-    fail(kHandleSrcTokens, me, src_tokens[me], f);
-  }
-  const uint32_t ranks = uint32_t((uint64_t(1) << W) - 1);
-  for (int64_t t = 0; t < ntok; ++t)
-    if (uint32_t(send_mask[t]) & ~ranks) fail(kHandleSendMask, t, send_mask[t], {});
-  int64_t j = 0;
-  for (int s = 0; s < W; ++s) {
-    const int64_t first = s * cap, end = first + src_tokens[s];
-    for (int32_t k = 0; k < counts[s]; ++k, ++j) {
-      if (recv_src[j] < first || recv_src[j] >= end) {
-        HandleFacts f;
-        f.source = s;
-        f.source_tokens = src_tokens[s];
-        fail(kHandleRecvSrc, j, recv_src[j], f);
-      }
-      // Chunks of a source's tokens are runs of its rows: out of order, a
-      // row would travel with another chunk than its flag announces.
-      if (k > 0 && recv_src[j] <= recv_src[j - 1]) {
-        HandleFacts f;
-        f.previous = j - 1;
-        f.previous_value = recv_src[j - 1];
-        fail(kHandleRecvSrc, j, recv_src[j], f);
-      }
-    }
-  }
-  // recv_src past the received rows is never read, so any value passes.
-}
-
-std::string Comm::device_bad_handle_message(uint64_t word) const {
-  const int field = bad_handle_field(word);
-  const int64_t index = bad_handle_index(word);
-  const std::string expected = handle_expectation(field, index, HandleFacts{});
-  std::ostringstream s;
-  s << "rdna4_comm: " << bad_handle_message(field, index, bad_handle_value(word), expected)
-    << " (found by the combine kernel on rank " << cfg_.rank << " of communicator '" << cfg_.id
-    << "', which stored nothing out of bounds). The communicator is unusable now: close it and create a new one.";
-  return s.str();
+  check();
 }
 
 at::Tensor Comm::all_reduce(const at::Tensor& x) {
-  check();
+  raise_pending();
   static const char* op = "all_reduce";
   const auto dev = device();
   check_device(op, "x", x, dev);
@@ -269,7 +205,7 @@ void Comm::all_reduce_into(at::ScalarType st, const char* in, char* out, int64_t
 std::pair<at::Tensor, at::Tensor> Comm::all_reduce_rmsnorm(const at::Tensor& x,
                                                            const c10::optional<at::Tensor>& residual,
                                                            const at::Tensor& weight, double eps) {
-  check();
+  raise_pending();
   static const char* op = "all_reduce_rmsnorm";
   const auto dev = device();
   check_device(op, "x", x, dev);
@@ -345,36 +281,9 @@ at::Tensor Comm::empty(at::IntArrayRef sizes, at::ScalarType dtype) const {
   return at::empty(sizes, at::TensorOptions().device(device()).dtype(dtype));
 }
 
-std::array<OutputSpec, kDispatchOutputs> Comm::dispatch_outputs(at::ScalarType idx_dtype,
-                                                                c10::optional<at::ScalarType> weights_dtype) const {
-  const int64_t rows = int64_t(cfg_.world) * cfg_.cap, K = cfg_.topk;
-  return {{{{rows, cfg_.hidden}, 2, cfg_.dtype},
-           {{rows, K}, 2, idx_dtype},
-           {{weights_dtype ? rows : 0, K}, 2, weights_dtype.value_or(at::kFloat)},
-           {{cfg_.world, 0}, 1, at::kInt},
-           {{rows, 0}, 1, at::kInt},
-           {{cfg_.world, 0}, 1, at::kInt},
-           {{kTokenDim, 0}, 1, at::kInt}}};
-}
-
-OutputSpec Comm::combine_output() const { return {{kTokenDim, cfg_.hidden}, 2, cfg_.dtype}; }
-
-Dispatched Comm::allocate_dispatched(int64_t ntok, at::ScalarType idx_dtype,
-                                     c10::optional<at::ScalarType> weights_dtype) const {
-  const auto specs = dispatch_outputs(idx_dtype, weights_dtype);
-  Dispatched d;
-  at::Tensor* fields[kDispatchOutputs] = {&d.x, &d.topk_idx, &d.topk_weights, &d.counts,
-                                          &d.recv_src, &d.src_tokens, &d.send_mask};
-  for (int i = 0; i < kDispatchOutputs; ++i) {
-    const std::array<int64_t, 2> n = specs[i].with_tokens(ntok);
-    *fields[i] = empty(at::IntArrayRef(n.data(), specs[i].dims), specs[i].dtype);
-  }
-  return d;
-}
-
 Dispatched Comm::dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
                           const c10::optional<at::Tensor>& topk_weights) {
-  check();
+  raise_pending();
   static const char* op = "dispatch";
   check_ep(cfg_, op);
   const auto dev = device();
@@ -425,7 +334,7 @@ Dispatched Comm::dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
 
 at::Tensor Comm::combine(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
                          const at::Tensor& src_tokens, const at::Tensor& send_mask) {
-  check();
+  raise_pending();
   static const char* op = "combine";
   check_ep(cfg_, op);
   const auto dev = device();

@@ -7,7 +7,12 @@
 
 #include <ATen/ATen.h>
 
+#include <c10/core/Event.h>
+
 #include <array>
+#include <deque>
+#include <functional>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <vector>
@@ -29,9 +34,18 @@ struct CommConfig : HeapConfig {
   at::ScalarType dtype = at::kBFloat16;  // EP payload; `elt` follows it
   int64_t timeout_ms = 0;
   int device_index = -1;  // GPU transport: the CUDA/HIP device of this rank
+  int64_t expert_alignment = 1;  // expert layout: each expert's block of rows starts at a multiple of this
+  int64_t max_expert_rows = 0;   // expert layout: rows of its x; 0 for the worst case (expert_rows())
 
   bool has_ep() const { return cap > 0; }
   int64_t experts_per_rank() const { return num_experts / world; }
+  // Rows of the expert layout's x: max_expert_rows, or the most a dispatch
+  // can need: every received row (W*cap) in min(K, E_loc) experts, plus the
+  // alignment padding of every expert.
+  int64_t expert_rows() const {
+    const int64_t epr = experts_per_rank(), per_row = topk < epr ? topk : epr;
+    return max_expert_rows > 0 ? max_expert_rows : int64_t(world) * cap * per_row + epr * (expert_alignment - 1);
+  }
 };
 
 // A communicator's all_reduce slot: bytes per (parity, source) inbox, one
@@ -89,6 +103,19 @@ struct OutputSpec {
 // recv_src, src_tokens, send_mask).
 constexpr int kDispatchOutputs = 7;
 
+// The expert layout (docs/semantics.md, "Expert layout"): dispatch's rows
+// grouped by local expert, built from the rank layout's. Fields in the
+// op's order.
+struct ExpertDispatched {
+  at::Tensor x;               // [expert_rows, H] dtype
+  at::Tensor expert_counts;   // [E_loc] int32
+  at::Tensor expert_offsets;  // [E_loc + 1] int32, aligned to expert_alignment
+  at::Tensor topk_weights;    // [expert_rows] the weights' dtype, or [0]
+  at::Tensor recv_src, counts, src_tokens, send_mask;  // the rank layout's handle
+  at::Tensor expert_rows_of;  // [W*cap, K] int32: a received row's expert rows, ascending expert, then -1
+};
+constexpr int kExpertDispatchOutputs = 9;
+
 // One chunk of all_reduce_rmsnorm: `rows` whole rows of `hidden` elements,
 // row-major and contiguous. residual is null without one; weight holds
 // `hidden` elements of dtype, or of fp32 when weight_fp32.
@@ -141,12 +168,25 @@ class Comm {
   std::array<OutputSpec, kDispatchOutputs> dispatch_outputs(at::ScalarType idx_dtype,
                                                             c10::optional<at::ScalarType> weights_dtype) const;
   OutputSpec combine_output() const;
+  std::array<OutputSpec, kExpertDispatchOutputs> dispatch_expert_outputs(
+      c10::optional<at::ScalarType> weights_dtype) const;
 
   at::Tensor all_reduce(const at::Tensor& x);
   Dispatched dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
                       const c10::optional<at::Tensor>& topk_weights);
   at::Tensor combine(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
                      const at::Tensor& src_tokens, const at::Tensor& send_mask);
+  // The expert layout: dispatch, then its rows grouped by local expert; and
+  // combine of an expert-layout result (each received row's expert rows
+  // summed in ascending expert order first).
+  ExpertDispatched dispatch_expert(const at::Tensor& x, const at::Tensor& topk_idx,
+                                   const c10::optional<at::Tensor>& topk_weights);
+  at::Tensor combine_expert(const at::Tensor& y, const at::Tensor& expert_rows_of, const at::Tensor& recv_src,
+                            const at::Tensor& counts, const at::Tensor& src_tokens, const at::Tensor& send_mask);
+  // Raises for an earlier op that failed, or for a value an op computed on
+  // the device that a deferred check found wrong (then once); every op
+  // starts here, and so does comm.check().
+  void raise_pending();
   // (out, residual_out); see docs/semantics.md, "all_reduce_rmsnorm".
   std::pair<at::Tensor, at::Tensor> all_reduce_rmsnorm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                                        const at::Tensor& weight, double eps);
@@ -174,6 +214,13 @@ class Comm {
   virtual void combine_impl(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
                             const at::Tensor& src_tokens, const at::Tensor& send_mask,
                             at::Tensor& out) = 0;
+
+  // Checks of values an op computed on the device, without a host
+  // synchronisation: `values` (int32) are copied to host memory behind the
+  // op (pinned, on the op's stream, on a GPU) and check(host copy) runs at
+  // the first raise_pending() after the copy has landed. Not under a graph
+  // capture (a replay's copy lands when the host does not look).
+  void defer_check(std::initializer_list<at::Tensor> values, std::function<void(const int32_t*)> check);
 
   std::string timeout_message(int op, int peer, uint64_t gen) const;
   // The handle is user input: every value that picks a row, a chunk or a
@@ -208,6 +255,12 @@ class Comm {
   std::array<int64_t, kNumRmsNormPaths + 1> rmsnorm_counts_{};
 
  private:
+  struct DeferredCheck {
+    at::Tensor host;
+    c10::optional<c10::Event> landed;  // none: the values were on the CPU
+    std::function<void(const int32_t*)> check;
+  };
+  std::deque<DeferredCheck> deferred_;  // oldest first
   Dispatched allocate_dispatched(int64_t ntok, at::ScalarType idx_dtype,
                                  c10::optional<at::ScalarType> weights_dtype) const;
   // The chunk loop of all_reduce: n elements of dtype st from in to out.

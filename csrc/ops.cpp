@@ -35,6 +35,24 @@ dispatch_op(const at::Tensor& x, const at::Tensor& topk_idx, const c10::optional
   return {d.x, d.topk_idx, d.topk_weights, d.counts, d.recv_src, d.src_tokens, d.send_mask};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+dispatch_expert_op(const at::Tensor& x, const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights,
+                   at::Tensor& order, c10::string_view comm) {
+  auto c = find_comm(std::string(comm));
+  check_order_token("dispatch", order, c->device());
+  ExpertDispatched d = c->dispatch_expert(x, topk_idx, topk_weights);
+  return {d.x, d.expert_counts, d.expert_offsets, d.topk_weights, d.recv_src, d.counts, d.src_tokens, d.send_mask,
+          d.expert_rows_of};
+}
+
+at::Tensor combine_expert_op(const at::Tensor& y, const at::Tensor& expert_rows_of, const at::Tensor& recv_src,
+                             const at::Tensor& counts, const at::Tensor& src_tokens, const at::Tensor& send_mask,
+                             at::Tensor& order, c10::string_view comm) {
+  auto c = find_comm(std::string(comm));
+  check_order_token("combine", order, c->device());
+  return c->combine_expert(y, expert_rows_of, recv_src, counts, src_tokens, send_mask);
+}
+
 at::Tensor combine_op(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
                       const at::Tensor& src_tokens, const at::Tensor& send_mask, at::Tensor& order,
                       c10::string_view comm) {
@@ -86,7 +104,7 @@ void connect(const std::string& id, const std::vector<std::string>& handles) {
 
 std::string finish(const std::string& id) { return find_comm(id)->finish(); }
 
-void check(const std::string& id) { find_comm(id)->check(); }
+void check(const std::string& id) { find_comm(id)->raise_pending(); }
 
 void watch_peers(const std::string& id, const std::vector<std::tuple<int, int, uint64_t>>& peers) {
   std::vector<PeerProcess> v;
@@ -106,6 +124,13 @@ TORCH_LIBRARY(rdna4_comm, m) {
       "combine(Tensor y, Tensor recv_src, Tensor counts, Tensor src_tokens, Tensor send_mask, "
       "Tensor(a!) order, str comm) -> Tensor");
   m.def(
+      "dispatch_expert(Tensor x, Tensor topk_idx, Tensor? topk_weights, Tensor(a!) order, str comm) -> "
+      "(Tensor x, Tensor expert_counts, Tensor expert_offsets, Tensor topk_weights, Tensor recv_src, "
+      "Tensor counts, Tensor src_tokens, Tensor send_mask, Tensor expert_rows_of)");
+  m.def(
+      "combine_expert(Tensor y, Tensor expert_rows_of, Tensor recv_src, Tensor counts, Tensor src_tokens, "
+      "Tensor send_mask, Tensor(a!) order, str comm) -> Tensor");
+  m.def(
       "all_reduce_rmsnorm(Tensor x, Tensor? residual, Tensor weight, float eps, Tensor(a!) order, str comm) -> "
       "(Tensor out, Tensor residual_out)");
 }
@@ -114,6 +139,8 @@ TORCH_LIBRARY_IMPL(rdna4_comm, CPU, m) {
   m.impl("all_reduce", &all_reduce_op);
   m.impl("dispatch", &dispatch_op);
   m.impl("combine", &combine_op);
+  m.impl("dispatch_expert", &dispatch_expert_op);
+  m.impl("combine_expert", &combine_expert_op);
   m.impl("all_reduce_rmsnorm", &all_reduce_rmsnorm_op);
 }
 
@@ -123,6 +150,8 @@ TORCH_LIBRARY_IMPL(rdna4_comm, CUDA, m) {
   m.impl("all_reduce", &all_reduce_op);
   m.impl("dispatch", &dispatch_op);
   m.impl("combine", &combine_op);
+  m.impl("dispatch_expert", &dispatch_expert_op);
+  m.impl("combine_expert", &combine_expert_op);
   m.impl("all_reduce_rmsnorm", &all_reduce_rmsnorm_op);
 }
 #endif
@@ -137,7 +166,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<CommConfig>(m, "CommConfig", "What a communicator is made of")
       .def(py::init([](std::string id, std::string transport, std::string group_name, int rank, int world,
                        int64_t cap, int64_t hidden, int64_t topk, int64_t num_experts, at::ScalarType dtype,
-                       int64_t ar_slot_bytes, int64_t timeout_ms, int device_index) {
+                       int64_t ar_slot_bytes, int64_t timeout_ms, int device_index, int64_t expert_alignment,
+                       int64_t max_expert_rows) {
              CommConfig c;
              c.id = std::move(id);
              c.transport = std::move(transport);
@@ -152,11 +182,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              c.ar_slot_bytes = ar_slot_bytes;
              c.timeout_ms = timeout_ms;
              c.device_index = device_index;
+             c.expert_alignment = expert_alignment;
+             c.max_expert_rows = max_expert_rows;
              return c;
            }),
            py::kw_only(), py::arg("id"), py::arg("transport"), py::arg("group_name"), py::arg("rank"),
            py::arg("world"), py::arg("cap"), py::arg("hidden"), py::arg("topk"), py::arg("num_experts"),
-           py::arg("dtype"), py::arg("ar_slot_bytes"), py::arg("timeout_ms"), py::arg("device_index"))
+           py::arg("dtype"), py::arg("ar_slot_bytes"), py::arg("timeout_ms"), py::arg("device_index"),
+           py::arg("expert_alignment") = 1, py::arg("max_expert_rows") = 0)
       .def_readonly("id", &CommConfig::id)
       .def_readonly("transport", &CommConfig::transport)
       .def_readonly("group_name", &CommConfig::group_name)
@@ -169,7 +202,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("dtype", &CommConfig::dtype)
       .def_readonly("ar_slot_bytes", &CommConfig::ar_slot_bytes)
       .def_readonly("timeout_ms", &CommConfig::timeout_ms)
-      .def_readonly("device_index", &CommConfig::device_index);
+      .def_readonly("device_index", &CommConfig::device_index)
+      .def_readonly("expert_alignment", &CommConfig::expert_alignment)
+      .def_readonly("max_expert_rows", &CommConfig::max_expert_rows)
+      .def_property_readonly("expert_rows", &CommConfig::expert_rows);
   m.def("create", &create, py::arg("config"), "Create this rank's communicator and heap; returns its export handle");
   m.def("connect", &connect, "Open every rank's heap from the gathered export handles");
   m.def("finish", &finish, "Finish bootstrap after a group barrier (unlink, P2P probe)");
@@ -197,6 +233,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return specs_to_py(specs.data(), kDispatchOutputs);
   }, py::arg("id"), py::arg("idx_dtype"), py::arg("weights_dtype"),
         "dispatch's outputs, in order: [(shape, dtype)]");
+  m.def("dispatch_expert_outputs", [specs_to_py](const std::string& id, c10::optional<at::ScalarType> weights_dtype) {
+    const auto specs = find_comm(id)->dispatch_expert_outputs(weights_dtype);
+    return specs_to_py(specs.data(), kExpertDispatchOutputs);
+  }, py::arg("id"), py::arg("weights_dtype"), "dispatch_expert's outputs, in order: [(shape, dtype)]");
   m.def("combine_output", [specs_to_py](const std::string& id) {
     const OutputSpec spec = find_comm(id)->combine_output();
     return py::object(specs_to_py(&spec, 1)[0]);

@@ -12,11 +12,11 @@ from . import reference
 from .algorithms import all_reduce_rmsnorm_algorithm, all_reduce_rmsnorm_row_in_registers, allreduce_algorithm
 from .communicator import Communicator
 from .fp8 import dequantize_fp8, quantize_fp8
-from .results import DispatchHandle, Dispatched
+from .results import DispatchHandle, Dispatched, ExpertDispatched
 from .ops import mark_dynamic_tokens
 
 __all__ = [
-    "Communicator", "Dispatched", "DispatchHandle", "all_reduce_rmsnorm_algorithm",
+    "Communicator", "Dispatched", "DispatchHandle", "ExpertDispatched", "all_reduce_rmsnorm_algorithm",
     "all_reduce_rmsnorm_row_in_registers", "allreduce_algorithm", "dequantize_fp8", "mark_dynamic_tokens",
     "quantize_fp8", "reference",
 ]

@@ -16,7 +16,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from . import _C
 from ._rendezvous import Rendezvous
-from .results import DispatchHandle, Dispatched
+from .results import DispatchHandle, Dispatched, ExpertDispatched
 from .transport_policy import RankReport, TransportChoice, choose_transport, host_identity, rank_report, shared_gpus_allowed
 from .ops import order_token
 
@@ -36,7 +36,9 @@ _ids = itertools.count()
 # skips a Python frame per call (OpOverload.__call__: 0.27 of the 2.5 us an
 # eager combine of no tokens costs on the CPU transport of a 2-core machine).
 _OPS = torch.ops.rdna4_comm
-_EAGER = {name: getattr(_OPS, name).default.op for name in ("all_reduce", "all_reduce_rmsnorm", "dispatch", "combine")}
+_EAGER = {name: getattr(_OPS, name).default.op
+          for name in ("all_reduce", "all_reduce_rmsnorm", "dispatch", "combine", "dispatch_expert", "combine_expert")}
+LAYOUTS = ("rank", "expert")
 
 
 def _op(name: str):
@@ -96,6 +98,15 @@ class Communicator:
             afterwards. A peer on this host whose process exits is noticed
             within about 50 ms, whatever the bound.
 
+        expert_alignment: the expert layout (``dispatch(..., layout="expert")``)
+            starts every local expert's rows at a multiple of this (e.g. the
+            grouped GEMM's tile rows).
+        max_expert_rows: rows of the expert layout's ``x`` (``expert_rows``);
+            default the most a dispatch can need, ``W*cap*min(K, E/W) +
+            (E/W)*(expert_alignment - 1)``. A dispatch that needs more keeps
+            the rows that fit, writes nothing out of bounds and raises
+            ValueError at the next call or :meth:`check`.
+
     Heap size per rank: about ``4 * W * allreduce_slot_bytes`` plus, with EP
     fields, ``2 * W * cap * (2*H*elt + 8*K + 4)`` bytes.
 
@@ -121,6 +132,8 @@ class Communicator:
         transport: str = "auto",
         allreduce_slot_bytes: Optional[int] = None,
         timeout_ms: Optional[int] = None,
+        expert_alignment: int = 1,
+        max_expert_rows: Optional[int] = None,
     ):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -194,7 +207,10 @@ class Communicator:
         slot_bytes = None if allreduce_slot_bytes is None else _positive_int("allreduce_slot_bytes", allreduce_slot_bytes)
 
         settings = dict(rank=self.rank, world=self.world_size, cap=cap, hidden=hidden, topk=topk,
-                        num_experts=num_experts, dtype=dtype, timeout_ms=timeout_ms)
+                        num_experts=num_experts, dtype=dtype, timeout_ms=timeout_ms,
+                        expert_alignment=_positive_int("expert_alignment", expert_alignment),
+                        max_expert_rows=0 if max_expert_rows is None else _positive_int("max_expert_rows",
+                                                                                        max_expert_rows))
         # "dist" runs on the GPUs when every rank has one, else on the CPU.
         on_gpu = all(rep.gpu is not None for rep in reports) and choice.transport != "cpu"
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
@@ -285,6 +301,9 @@ class Communicator:
     num_experts = property(lambda self: self._config.num_experts, doc="``E``; 0 without dispatch/combine.")
     dtype = property(lambda self: self._config.dtype, doc="Payload dtype of dispatch/combine.")
     timeout_ms = property(lambda self: self._config.timeout_ms, doc="Bound of every wait, in milliseconds.")
+    expert_alignment = property(lambda self: self._config.expert_alignment,
+                                doc="Row alignment of each expert's block in the expert layout.")
+    expert_rows = property(lambda self: self._config.expert_rows, doc="Rows of the expert layout's ``x``.")
 
     @property
     def num_local_experts(self) -> int:
@@ -353,8 +372,9 @@ class Communicator:
         return _C.rmsnorm_path_counts(self.id)
 
     def dispatch(
-        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor] = None
-    ) -> Dispatched:
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor] = None, *,
+        layout: str = "rank",
+    ):
         """Send every token to the ranks that own its experts. Collective.
 
         Args:
@@ -367,14 +387,26 @@ class Communicator:
                 dropped (the slot routes nowhere).
             topk_weights: torch.float32, torch.bfloat16 or torch.float16 of
                 topk_idx's shape, or None.
+            layout: ``"rank"`` (default) or ``"expert"``.
 
         Returns:
-            :class:`Dispatched`, its routing in the dtypes given. A token
-            reaches a rank once however many of its experts live there: one
-            row per (token, destination rank).
+            ``"rank"``: :class:`Dispatched`, its routing in the dtypes given. A
+            token reaches a rank once however many of its experts live
+            there: one row per (token, destination rank).
+            ``"expert"``: :class:`ExpertDispatched`, the same rows grouped by
+            local expert: one row per (token, local expert) pair, with
+            per-expert counts and offsets on the device.
         """
         # The C++ op checks everything else, EP fields included.
         self._check_open()
+        if layout == "expert":
+            rx, ecounts, eoffsets, rw, recv_src, counts, src_tokens, send_mask, rows_of = _op("dispatch_expert")(
+                x, topk_idx, topk_weights, self._order, self.id
+            )
+            handle = DispatchHandle(recv_src, counts, src_tokens, send_mask, self.id, x.shape[:-1], rows_of)
+            return ExpertDispatched(rx, ecounts, eoffsets, rw if topk_weights is not None else None, handle)
+        if layout != "rank":
+            raise ValueError(f"dispatch: layout must be one of {LAYOUTS}, got {layout!r}")
         rx, ridx, rw, counts, recv_src, src_tokens, send_mask = _op("dispatch")(
             x, topk_idx, topk_weights, self._order, self.id
         )
@@ -388,8 +420,12 @@ class Communicator:
             y: [W*cap, H] of the communicator dtype, one result row per row that
                 dispatch delivered here (the expert side has already applied the
                 routing weights and reduced its local experts into that row).
-                Padding rows are ignored.
-            handle: ``Dispatched.handle`` of the matching dispatch.
+                Padding rows are ignored. For an expert-layout handle,
+                [comm.expert_rows, H]: one row per (token, local expert)
+                pair, already weighted; each received row's pairs are summed
+                first, in fp32 in ascending expert order, rounded once.
+            handle: ``Dispatched.handle`` (or ``ExpertDispatched.handle``) of the
+                matching dispatch.
 
         Returns:
             ``handle.token_shape + (H,)`` (dispatch's x shape) of y's dtype: for
@@ -413,9 +449,15 @@ class Communicator:
                 f"combine: handle.token_shape {tuple(shape)} holds {math.prod(shape)} "
                 f"tokens but handle.send_mask has {handle.send_mask.shape[0]}: the fields come from different dispatches"
             )
-        out = (_OPS.combine.default if compiling else _EAGER["combine"])(
-            y, handle.recv_src, handle.counts, handle.src_tokens, handle.send_mask, self._order, self.id
-        )
+        if handle.expert_rows_of is not None:
+            out = (_OPS.combine_expert.default if compiling else _EAGER["combine_expert"])(
+                y, handle.expert_rows_of, handle.recv_src, handle.counts, handle.src_tokens, handle.send_mask,
+                self._order, self.id
+            )
+        else:
+            out = (_OPS.combine.default if compiling else _EAGER["combine"])(
+                y, handle.recv_src, handle.counts, handle.src_tokens, handle.send_mask, self._order, self.id
+            )
         # The op returns [T, H]: a flat dispatch needs no view (an op call of
         # its own, on the eager path's host time).
         return out if len(shape) == 1 else out.view(*shape, self.hidden)

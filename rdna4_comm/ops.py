@@ -90,6 +90,21 @@ def _dispatch_fake(x, topk_idx, topk_weights, order, comm):
     return tuple(_new_output(x, spec, tokens) for spec in specs)
 
 
+@torch.library.register_fake("rdna4_comm::dispatch_expert")
+def _dispatch_expert_fake(x, topk_idx, topk_weights, order, comm):
+    _check_devices(comm, "dispatch", x=x, topk_idx=topk_idx, topk_weights=topk_weights, order=order)
+    tokens = math.prod(x.shape[:-1])
+    specs = _C.dispatch_expert_outputs(comm, topk_weights.dtype if topk_weights is not None else None)
+    return tuple(_new_output(x, spec, tokens) for spec in specs)
+
+
+@torch.library.register_fake("rdna4_comm::combine_expert")
+def _combine_expert_fake(y, expert_rows_of, recv_src, counts, src_tokens, send_mask, order, comm):
+    _check_devices(comm, "combine", y=y, expert_rows_of=expert_rows_of, recv_src=recv_src, counts=counts,
+                   src_tokens=src_tokens, send_mask=send_mask, order=order)
+    return _new_output(y, _C.combine_output(comm), send_mask.shape[0])
+
+
 @torch.library.register_fake("rdna4_comm::combine")
 def _combine_fake(y, recv_src, counts, src_tokens, send_mask, order, comm):
     _check_devices(comm, "combine", y=y, recv_src=recv_src, counts=counts, src_tokens=src_tokens,

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from .fp8 import dequantize_fp8, quantize_fp8  # noqa: F401  (the FP8 rule is part of the spec)
-from .results import DispatchHandle, Dispatched
+from .results import DispatchHandle, Dispatched, ExpertDispatched
 
 
 def _sum_in_rank_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -98,20 +98,73 @@ def dispatch(
     *,
     num_experts: int,
     max_tokens_per_rank: int,
-) -> list[Dispatched]:
+    layout: str = "rank",
+    expert_alignment: int = 1,
+    max_expert_rows: Optional[int] = None,
+) -> list:
     """What each rank receives from ``Communicator.dispatch``.
 
     Args:
         xs: per rank, [T_r, H] (the op's x with its leading dimensions flattened).
         topk_idxs: per rank, [T_r, K] int32 or int64 global expert ids.
         topk_weights: per rank, [T_r, K] float32, bfloat16 or float16, or None.
+        layout, expert_alignment, max_expert_rows: as the Communicator's.
 
     Returns:
         Per rank, a :class:`Dispatched` with the op's shapes and values,
-        padding included. Its routing has the dtypes of that rank's own
-        inputs; weights travel in float32 (exact for bfloat16/float16 inputs)
-        and are rounded once to the receiving rank's weight dtype.
+        padding included (``layout="expert"``: an :class:`ExpertDispatched`
+        built from it by :func:`expert_layout`). Its routing has the dtypes of
+        that rank's own inputs; weights travel in float32 (exact for
+        bfloat16/float16 inputs) and are rounded once to the receiving rank's
+        weight dtype.
     """
+    rank_major = _dispatch_rank_major(xs, topk_idxs, topk_weights, num_experts, max_tokens_per_rank)
+    if layout == "rank":
+        return rank_major
+    W, K, epr = len(xs), topk_idxs[0].shape[1], num_experts // len(xs)
+    rows = max_expert_rows or W * max_tokens_per_rank * min(K, epr) + epr * (expert_alignment - 1)
+    return [expert_layout(d, epr, expert_alignment, rows) for d in rank_major]
+
+
+def expert_layout(d: Dispatched, num_local_experts: int, alignment: int, rows: int) -> ExpertDispatched:
+    """The expert layout of one rank's rank-layout result ``d``: for each
+    local expert e ascending, a row per received row that names e in a slot
+    (ascending), the block's start rounded up to ``alignment``; the pair's
+    weight is the fp32 sum of its slots' weights in slot order, rounded once.
+    Pairs past ``rows`` are dropped (the op raises for them at its next call).
+    Rows that hold no pair are zeros."""
+    idx = d.topk_idx.long()
+    R, K = idx.shape
+    received = int(d.counts.sum())
+    x = torch.zeros(rows, d.x.shape[1], dtype=d.x.dtype)
+    w = None if d.topk_weights is None else torch.zeros(rows, dtype=d.topk_weights.dtype)
+    rows_of = [[] for _ in range(R)]
+    counts, offsets = [], [0]
+    for e in range(num_local_experts):
+        at = offsets[-1]
+        for j in range(received):
+            slots = [k for k in range(K) if int(idx[j, k]) == e]
+            if not slots:
+                continue
+            if at < rows:
+                x[at] = d.x[j]
+                if w is not None:
+                    acc = d.topk_weights[j, slots[0]].float()
+                    for k in slots[1:]:
+                        acc = acc + d.topk_weights[j, k].float()
+                    w[at] = acc.to(w.dtype)
+                rows_of[j].append(at)
+            at += 1
+        counts.append(at - offsets[-1])
+        offsets.append(offsets[-1] + -(-counts[-1] // alignment) * alignment)
+    of = torch.full((R, K), -1, dtype=torch.int32)
+    for j, pairs in enumerate(rows_of):
+        of[j, :len(pairs)] = torch.tensor(pairs, dtype=torch.int32)
+    return ExpertDispatched(x, torch.tensor(counts, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32), w,
+                            d.handle._replace(expert_rows_of=of))
+
+
+def _dispatch_rank_major(xs, topk_idxs, topk_weights, num_experts: int, max_tokens_per_rank: int) -> list[Dispatched]:
     W, cap = len(xs), max_tokens_per_rank
     epr = num_experts // W
     owners = [expert_owners(i, num_experts, W) for i in topk_idxs]
@@ -152,19 +205,23 @@ def dispatch(
     return out
 
 
-def combine(ys: Sequence[torch.Tensor], dispatched: Sequence[Dispatched]) -> list[torch.Tensor]:
+def combine(ys: Sequence[torch.Tensor], dispatched: Sequence) -> list[torch.Tensor]:
     """What each rank gets from ``Communicator.combine``.
 
     Args:
-        ys: per rank, [W*cap, H] expert results, one row per received row.
+        ys: per rank, [W*cap, H] expert results, one row per received row
+            (an expert-layout handle: [expert_rows, H], one row per pair).
         dispatched: per rank, the dispatch result (``reference.dispatch``'s or
             the op's; only the handles are read).
 
     Returns:
         Per rank, [T_r, H] in the dtype of ``ys``: for each token the float32
         sum over its destination ranks ascending, rounded once; zeros for tokens
-        routed nowhere.
+        routed nowhere. With an expert-layout handle, a rank's contribution
+        to a token is first its pairs' rows summed in float32 in ascending
+        expert order, rounded once.
     """
+    ys = [_rank_rows(y, d.handle) for y, d in zip(ys, dispatched)]
     W = len(ys)
     cap = dispatched[0].handle.recv_src.shape[0] // W
     out = []
@@ -182,3 +239,22 @@ def combine(ys: Sequence[torch.Tensor], dispatched: Sequence[Dispatched]) -> lis
             seen[toks] = True
         out.append(acc.to(ys[s].dtype))
     return out
+
+
+def _rank_rows(y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    """y as rank-layout rows: unchanged for a rank-layout handle; else each
+    received row's pair rows (``expert_rows_of``) summed in fp32 from the
+    first, in ascending expert order, rounded once."""
+    if handle.expert_rows_of is None:
+        return y
+    of = handle.expert_rows_of
+    out = torch.zeros(of.shape[0], y.shape[1], dtype=y.dtype)
+    for j in range(of.shape[0]):
+        rows = [int(r) for r in of[j] if 0 <= int(r) < y.shape[0]]
+        if rows:
+            acc = y[rows[0]].float()
+            for r in rows[1:]:
+                acc = acc + y[r].float()
+            out[j] = acc.to(y.dtype)
+    return out
+

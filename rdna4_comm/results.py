@@ -1,5 +1,6 @@
 """What the ops of :class:`rdna4_comm.Communicator` return: :class:`Dispatched`
-and its :class:`DispatchHandle`."""
+(the rank layout), :class:`ExpertDispatched` (the expert layout) and the
+:class:`DispatchHandle` of both."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -19,6 +20,9 @@ class DispatchHandle(NamedTuple):
     - ``comm_id``: the communicator that made it.
     - ``token_shape``: the leading dimensions of dispatch's ``x`` (``x.shape[:-1]``),
       which combine's result takes.
+    - ``expert_rows_of``: None for the rank layout; for the expert layout
+      [W*cap, K] int32, each received row's rows of the expert-layout ``x``
+      in ascending local expert order, then -1.
     """
 
     recv_src: torch.Tensor
@@ -27,6 +31,7 @@ class DispatchHandle(NamedTuple):
     send_mask: torch.Tensor
     comm_id: str
     token_shape: tuple
+    expert_rows_of: Optional[torch.Tensor] = None
 
 
 class Dispatched(NamedTuple):
@@ -51,3 +56,33 @@ class Dispatched(NamedTuple):
     topk_weights: Optional[torch.Tensor]
     counts: torch.Tensor
     handle: DispatchHandle
+
+
+class ExpertDispatched(NamedTuple):
+    """Result of ``Communicator.dispatch(..., layout="expert")`` on the
+    receiving rank: the received rows grouped by local expert, for grouped
+    GEMMs (``offs = expert_offsets[1:]``).
+
+    - ``x``: [comm.expert_rows, H] of the communicator dtype. Local expert
+      ``e`` owns rows ``[expert_offsets[e], expert_offsets[e] + expert_counts[e])``:
+      one row per (source token, e) pair whose token selected e (an id
+      repeated in a token's slots routes once), by source rank, then source
+      token, ascending. Alignment padding rows are zeros; rows from
+      ``expert_offsets[E_loc]`` on are unspecified.
+    - ``expert_counts``: [E_loc] int32 on the op's device.
+    - ``expert_offsets``: [E_loc + 1] int32 on the op's device, ``0`` first,
+      each block's start rounded up to ``expert_alignment``.
+    - ``topk_weights``: [comm.expert_rows] in the dtype of the weights given:
+      the pair's weight (for an id repeated in a token's slots, the fp32 sum
+      of those slots' weights in slot order, rounded once); 0 on padding
+      rows; None when dispatch got no weights.
+    - ``handle``: :class:`DispatchHandle` (with ``expert_rows_of``) for
+      :meth:`Communicator.combine`.
+    """
+
+    x: torch.Tensor
+    expert_counts: torch.Tensor
+    expert_offsets: torch.Tensor
+    topk_weights: Optional[torch.Tensor]
+    handle: DispatchHandle
+

@@ -16,11 +16,7 @@
 
 #include <c10/util/Exception.h>
 
-#include <c10/core/Event.h>
-#include <c10/core/impl/VirtualGuardImpl.h>
-
 #include <array>
-#include <deque>
 #include <functional>
 #include <sstream>
 
@@ -73,27 +69,7 @@ class DistComm final : public Comm {
 
   at::Device device() const override { return device_; }
 
-  // Every op starts here, and comm.check() (after a device synchronisation):
-  // the handle copies that have landed are checked first.
-  void check() override {
-    while (failure_.empty() && !handle_copies_.empty() && handle_copies_.front().landed.query()) {
-      const HandleCopy c = std::move(handle_copies_.front());
-      handle_copies_.pop_front();
-      const int32_t* p = c.host.data_ptr<int32_t>();
-      const int64_t rows = int64_t(cfg_.world) * cfg_.cap;
-      try {
-        check_handle_values(p, p + rows, p + rows + cfg_.world, p + rows + 2 * cfg_.world, c.ntok);
-      } catch (const c10::ValueError& e) {
-        std::ostringstream s;
-        s << "rdna4_comm: " << e.what_without_backtrace() << " (found on rank " << cfg_.rank << " of communicator '"
-          << cfg_.id << "' after that combine ran, which read nothing outside the exchanged buffers). "
-          << "The communicator is unusable now: close it and create a new one.";
-        failure_ = s.str();
-        handle_copies_.clear();
-      }
-    }
-    raise_if_failed();
-  }
+  void check() override { raise_if_failed(); }
 
  protected:
   // The fused op: the rows' rank-ordered sum through all_reduce_chunk, then
@@ -251,10 +227,20 @@ class DistComm final : public Comm {
     if (!y.is_cuda())
       check_handle_values(recv_src.data_ptr<int32_t>(), counts.data_ptr<int32_t>(), src_tokens.data_ptr<int32_t>(),
                           send_mask.data_ptr<int32_t>(), T);
-#ifdef RDNA4_COMM_WITH_GPU
-    else if (!current_stream_capturing(device_.index()))
-      copy_handle(recv_src, counts, src_tokens, send_mask);
-#endif
+    else
+      defer_check({recv_src, counts, src_tokens, send_mask}, [this, T](const int32_t* p) {
+        const int64_t rows = int64_t(cfg_.world) * cfg_.cap;
+        try {
+          check_handle_values(p, p + rows, p + rows + cfg_.world, p + rows + 2 * cfg_.world, T);
+        } catch (const c10::ValueError& e) {
+          std::ostringstream s;
+          s << "rdna4_comm: " << e.what_without_backtrace() << " (found on rank " << cfg_.rank
+            << " of communicator '" << cfg_.id << "' after that combine ran, which read nothing outside the "
+            << "exchanged buffers). The communicator is unusable now: close it and create a new one.";
+          failure_ = s.str();
+          raise_if_failed();
+        }
+      });
     const uint64_t gen = next_generation(kOpCombine);
     // Padding rows (and, on a GPU, any value outside [0, W*cap) of a forged
     // handle) land in an extra slot that is never sent.
@@ -343,32 +329,10 @@ class DistComm final : public Comm {
 
   void raise_if_failed() const { TORCH_CHECK(failure_.empty(), failure_); }
 
-  // The handle's fields, one after the other in one pinned buffer, copied on
-  // the op's stream; `landed` is recorded after the copies.
-  struct HandleCopy {
-    at::Tensor host;
-    c10::Event landed;
-    int64_t ntok;
-  };
-  void copy_handle(const at::Tensor& recv_src, const at::Tensor& counts, const at::Tensor& src_tokens,
-                   const at::Tensor& send_mask) {
-    const int64_t n = recv_src.numel() + counts.numel() + src_tokens.numel() + send_mask.numel();
-    HandleCopy c{at::empty({n}, at::TensorOptions().dtype(at::kInt).pinned_memory(true)),
-                 c10::Event(device_.type()), send_mask.numel()};
-    int64_t at = 0;
-    for (const at::Tensor* t : {&recv_src, &counts, &src_tokens, &send_mask}) {
-      c.host.narrow(0, at, t->numel()).copy_(*t, /*non_blocking=*/true);
-      at += t->numel();
-    }
-    c.landed.record(c10::impl::VirtualGuardImpl(device_.type()).getStream(device_));
-    handle_copies_.push_back(std::move(c));
-  }
-
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   at::Device device_;
   std::array<uint64_t, kNumOps> generations_{};
   std::string failure_;
-  std::deque<HandleCopy> handle_copies_;  // GPU handles not yet checked, oldest first
 };
 
 }  // namespace

@@ -1,0 +1,146 @@
+// The EP ops' outputs: their shapes and dtypes (one definition for the
+// transports and the fakes), and the expert layout, which dispatch_expert
+// builds from the rank layout's rows with tensor ops on the op's device
+// (no host synchronisation; every transport gives the same bits, since
+// every transport's rank layout does) and combine_expert takes back.
+#include "comm.h"
+
+#include <c10/util/Exception.h>
+
+#include <sstream>
+
+namespace rdna4_comm {
+
+std::array<OutputSpec, kDispatchOutputs> Comm::dispatch_outputs(at::ScalarType idx_dtype,
+                                                                c10::optional<at::ScalarType> weights_dtype) const {
+  const int64_t rows = int64_t(cfg_.world) * cfg_.cap, K = cfg_.topk;
+  return {{{{rows, cfg_.hidden}, 2, cfg_.dtype},
+           {{rows, K}, 2, idx_dtype},
+           {{weights_dtype ? rows : 0, K}, 2, weights_dtype.value_or(at::kFloat)},
+           {{cfg_.world, 0}, 1, at::kInt},
+           {{rows, 0}, 1, at::kInt},
+           {{cfg_.world, 0}, 1, at::kInt},
+           {{kTokenDim, 0}, 1, at::kInt}}};
+}
+
+OutputSpec Comm::combine_output() const { return {{kTokenDim, cfg_.hidden}, 2, cfg_.dtype}; }
+
+Dispatched Comm::allocate_dispatched(int64_t ntok, at::ScalarType idx_dtype,
+                                     c10::optional<at::ScalarType> weights_dtype) const {
+  const auto specs = dispatch_outputs(idx_dtype, weights_dtype);
+  Dispatched d;
+  at::Tensor* fields[kDispatchOutputs] = {&d.x, &d.topk_idx, &d.topk_weights, &d.counts,
+                                          &d.recv_src, &d.src_tokens, &d.send_mask};
+  for (int i = 0; i < kDispatchOutputs; ++i) {
+    const std::array<int64_t, 2> n = specs[i].with_tokens(ntok);
+    *fields[i] = empty(at::IntArrayRef(n.data(), specs[i].dims), specs[i].dtype);
+  }
+  return d;
+}
+
+std::array<OutputSpec, kExpertDispatchOutputs> Comm::dispatch_expert_outputs(
+    c10::optional<at::ScalarType> weights_dtype) const {
+  const int64_t rows = int64_t(cfg_.world) * cfg_.cap, E = cfg_.experts_per_rank(), n = cfg_.expert_rows();
+  return {{{{n, cfg_.hidden}, 2, cfg_.dtype},
+           {{E, 0}, 1, at::kInt},
+           {{E + 1, 0}, 1, at::kInt},
+           {{weights_dtype ? n : 0, 0}, 1, weights_dtype.value_or(at::kFloat)},
+           {{rows, 0}, 1, at::kInt},
+           {{cfg_.world, 0}, 1, at::kInt},
+           {{cfg_.world, 0}, 1, at::kInt},
+           {{kTokenDim, 0}, 1, at::kInt},
+           {{rows, cfg_.topk}, 2, at::kInt}}};
+}
+
+// Received row j of the rank layout goes to one expert row per distinct
+// local expert e among its slots: offsets[e] + (rows before j that have e).
+// Slot k of row j is e's "first" slot when no earlier slot of the row names
+// e; it carries the pair's destination, the pair's weight (the fp32 sum of
+// the row's weights for e, in slot order from the first, rounded once) and,
+// through it, the combine's map from rows back to expert rows.
+ExpertDispatched Comm::dispatch_expert(const at::Tensor& x, const at::Tensor& topk_idx,
+                                       const c10::optional<at::Tensor>& topk_weights) {
+  Dispatched d = dispatch(x, topk_idx, topk_weights);
+  const int64_t E = cfg_.experts_per_rank(), K = cfg_.topk, A = cfg_.expert_alignment, n = cfg_.expert_rows();
+  const at::Tensor ids = d.topk_idx.to(at::kLong);  // [R, K]: local ids, -1 where the expert is elsewhere
+  const int64_t R = ids.size(0);
+  const at::Tensor slot = at::arange(K, ids.options()).view({1, K});
+  const at::Tensor here = ids >= 0;
+  // first[j, k]: no earlier slot of row j names the same expert.
+  at::Tensor repeated = at::zeros_like(here);
+  for (int64_t k = 0; k + 1 < K; ++k) repeated = repeated | ((ids == ids.narrow(1, k, 1)) & (slot > k));
+  const at::Tensor first = here & ~repeated;
+  const at::Tensor e = at::where(first, ids, 0);
+  // has[j, e]: row j has expert e; counts, aligned offsets, row positions.
+  const at::Tensor has = at::zeros({R, E + 1}, ids.options()).scatter_(1, at::where(here, ids, E), 1).narrow(1, 0, E);
+  const at::Tensor counts = has.sum(0);
+  const at::Tensor offsets = at::cat({at::zeros({1}, ids.options()), (at::floor_divide(counts + (A - 1), A) * A).cumsum(0)});
+  const at::Tensor before = has.cumsum(0) - has;  // rows above j with e
+  const at::Tensor dest = offsets.index_select(0, e.reshape(-1)).view({R, K}) + before.gather(1, e);
+  // A pair past the layout's rows (max_expert_rows too small) is dropped:
+  // it goes to the extra row n, which no output keeps.
+  const at::Tensor kept = first & (dest < n);
+  const at::Tensor to = at::where(kept, dest, n).reshape(-1);
+  defer_check({offsets.narrow(0, E, 1).to(at::kInt)}, [this, n](const int32_t* needed) {
+    TORCH_CHECK_VALUE(*needed <= n, "dispatch: the expert layout of an earlier call needed ", *needed,
+                      " rows, more than this communicator's expert_rows = ", n,
+                      " (max_expert_rows): the rows past it were dropped and nothing was written out of bounds. "
+                      "Pass a larger max_expert_rows, or none for the worst case");
+  });
+
+  ExpertDispatched out;
+  at::Tensor source = at::full({n + 1}, -1, ids.options());
+  source.scatter_(0, to, at::arange(R, ids.options()).view({R, 1}).expand({R, K}).reshape(-1));
+  source = source.narrow(0, 0, n);
+  // Rows without a pair (alignment padding, the tail) are zeros.
+  out.x = at::where((source >= 0).unsqueeze(1), d.x.index_select(0, source.clamp_min(0)), 0).to(cfg_.dtype);
+  out.expert_counts = counts.to(at::kInt);
+  out.expert_offsets = offsets.to(at::kInt);
+  if (topk_weights.has_value()) {
+    // The pair's weight: its slots' weights summed in slot order, from its first slot.
+    const at::Tensor w = d.topk_weights;
+    at::Tensor acc = w.to(at::kFloat);
+    for (int64_t k = 1; k < K; ++k)
+      acc = at::where((ids == ids.narrow(1, k, 1)) & (slot < k) & here, acc + w.narrow(1, k, 1).to(at::kFloat), acc);
+    out.topk_weights = at::zeros({n + 1}, w.options()).scatter_(0, to, acc.to(w.scalar_type()).reshape(-1)).narrow(0, 0, n);
+  } else {
+    out.topk_weights = at::empty({0}, d.x.options().dtype(at::kFloat));
+  }
+  out.recv_src = d.recv_src;
+  out.counts = d.counts;
+  out.src_tokens = d.src_tokens;
+  out.send_mask = d.send_mask;
+  // A row's expert rows in ascending expert order (what combine sums), then -1.
+  const at::Tensor order = std::get<1>(at::sort(at::where(kept, ids, E), c10::optional<bool>(true), /*dim=*/1, /*descending=*/false));
+  out.expert_rows_of = at::where(kept, dest, -1).gather(1, order).to(at::kInt).contiguous();
+  return out;
+}
+
+at::Tensor Comm::combine_expert(const at::Tensor& y, const at::Tensor& expert_rows_of, const at::Tensor& recv_src,
+                                const at::Tensor& counts, const at::Tensor& src_tokens, const at::Tensor& send_mask) {
+  raise_pending();
+  static const char* op = "combine";
+  TORCH_CHECK_VALUE(cfg_.has_ep(), op, ": this communicator has no EP fields");
+  const int64_t n = cfg_.expert_rows(), R = int64_t(cfg_.world) * cfg_.cap, K = cfg_.topk;
+  TORCH_CHECK_VALUE(y.device() == device(), op, ": y must be on ", device(), ", got ", y.device());
+  TORCH_CHECK_VALUE(y.dim() == 2 && y.size(0) == n && y.size(1) == cfg_.hidden, op, ": y must have shape [", n, ", ",
+                    cfg_.hidden, "] (expert_rows, hidden) for an expert-layout handle, got ", y.sizes());
+  TORCH_CHECK_TYPE(y.scalar_type() == cfg_.dtype, op, ": y must be ", cfg_.dtype, ", got ", y.scalar_type());
+  TORCH_CHECK_VALUE(expert_rows_of.device() == device() && expert_rows_of.scalar_type() == at::kInt &&
+                        expert_rows_of.dim() == 2 && expert_rows_of.size(0) == R && expert_rows_of.size(1) == K,
+                    op, ": handle.expert_rows_of must be int32 [", R, ", ", K, "] on ", device(), ", got ",
+                    expert_rows_of.scalar_type(), " ", expert_rows_of.sizes(), " on ", expert_rows_of.device());
+  // Each received row: its expert rows summed in fp32 in ascending expert
+  // order, from the first, rounded once. A value outside [0, n) (a forged
+  // handle) names no row.
+  const at::Tensor rows = expert_rows_of.to(at::kLong);
+  const at::Tensor valid = (rows >= 0) & (rows < n);
+  const at::Tensor at_row = at::where(valid, rows, 0);
+  auto term = [&](int64_t k) { return y.index_select(0, at_row.select(1, k)).to(at::kFloat); };
+  auto ok = [&](int64_t k) { return valid.narrow(1, k, 1); };
+  at::Tensor acc = at::where(ok(0), term(0), 0.f);
+  for (int64_t k = 1; k < K; ++k) acc = at::where(ok(k), acc + term(k), acc);
+  return combine(acc.to(cfg_.dtype).contiguous(), recv_src, counts, src_tokens, send_mask);
+}
+
+}  // namespace rdna4_comm

@@ -1,0 +1,222 @@
+"""dispatch(..., layout="expert") and its combine: bitwise against
+rdna4_comm.reference on every transport, property-based (alignments 1, 16
+and 128; 1 to 64 local experts; top-k 1 to 64; skewed routing), mixed with
+the rank layout back to back with interleaved handles, max_expert_rows
+overflow, torch.compile and opcheck."""
+from __future__ import annotations
+
+import pytest
+import torch
+from common import ROUTINGS, assert_bitwise, ep_inputs, examples, expert_fn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import rdna4_comm as rc
+from rdna4_comm import reference
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+SETTINGS = settings(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, max_examples=examples(60))
+
+
+def ep_config(cap, hidden, topk, num_experts, dtype, alignment=1, max_rows=None):
+    return dict(max_tokens_per_rank=cap, hidden=hidden, topk=topk, num_experts=num_experts, dtype=dtype,
+                allreduce_slot_bytes=4096, expert_alignment=alignment, max_expert_rows=max_rows)
+
+
+def ref_cfg(cfg):
+    return dict(hidden=cfg["hidden"], topk=cfg["topk"], num_experts=cfg["num_experts"], dtype=cfg["dtype"])
+
+
+def t_round_trip(ctx, cfg, seed, Ts, kind, weights):
+    comm = ctx.comm(**cfg)
+    dev = ctx.device
+    x, idx, w = ep_inputs(seed, ctx.rank, ctx.world, Ts[ctx.rank], ref_cfg(cfg), kind, weights)
+    d = comm.dispatch(x.to(dev), idx.to(dev), None if w is None else w.to(dev), layout="expert")
+    out = comm.combine(expert_fn(d.x, ctx.rank), d.handle)
+    return d, out, comm.expert_rows
+
+
+def expected(W, cfg, seed, Ts, kind, weights, salt=0):
+    xs, idxs, ws = zip(*[ep_inputs(seed, r, W, Ts[r], ref_cfg(cfg), kind, weights) for r in range(W)])
+    ref = reference.dispatch(list(xs), list(idxs), list(ws) if weights else None, num_experts=cfg["num_experts"],
+                             max_tokens_per_rank=cfg["max_tokens_per_rank"], layout="expert",
+                             expert_alignment=cfg["expert_alignment"], max_expert_rows=cfg["max_expert_rows"])
+    return ref, reference.combine([expert_fn(ref[r].x, r, salt) for r in range(W)], ref)
+
+
+def assert_expert_dispatched(d, ref, what):
+    """Every field bitwise, x and the weights on the rows below expert_offsets[-1]
+    (the rows past it are unspecified)."""
+    assert isinstance(d, rc.ExpertDispatched), type(d)
+    assert_bitwise(d.expert_counts, ref.expert_counts, f"{what} expert_counts")
+    assert_bitwise(d.expert_offsets, ref.expert_offsets, f"{what} expert_offsets")
+    assert d.x.shape == ref.x.shape, (what, d.x.shape, ref.x.shape)
+    n = min(int(ref.expert_offsets[-1]), ref.x.shape[0])
+    assert_bitwise(d.x[:n], ref.x[:n], f"{what} x")
+    if ref.topk_weights is None:
+        assert d.topk_weights is None, what
+    else:
+        assert_bitwise(d.topk_weights[:n], ref.topk_weights[:n], f"{what} topk_weights")
+    for field in ("recv_src", "counts", "src_tokens", "send_mask", "expert_rows_of"):
+        assert_bitwise(getattr(d.handle, field), getattr(ref.handle, field), f"{what} handle.{field}")
+
+
+def check(world, cfg, seed, Ts, kind, weights):
+    ref, ref_out = expected(world.size, cfg, seed, Ts, kind, weights)
+    for r, (d, out, rows) in enumerate(world.run(t_round_trip, cfg, seed, Ts, kind, weights)):
+        assert rows == ref[r].x.shape[0]
+        assert_expert_dispatched(d, ref[r], f"rank {r}")
+        assert_bitwise(out, ref_out[r], f"rank {r} combine")
+
+
+@pytest.mark.parametrize("kind", ROUTINGS)
+def test_every_routing_kind(world, kind):
+    W = world.size
+    check(world, ep_config(12, 24, 4, 4 * W, torch.bfloat16, 16), 5, [12 - 5 * (r % 3) for r in range(W)], kind, True)
+
+
+@pytest.mark.parametrize("alignment", [1, 16, 128])
+def test_skewed_routing_every_token_to_one_expert(world, alignment):
+    W = world.size
+    check(world, ep_config(9, 16, 3, 2 * W, torch.float32, alignment), 3, [9] * W, "one_expert", True)
+
+
+def test_top_k_and_local_experts_up_to_sixty_four(world):
+    W = world.size
+    for topk, local in ((1, 1), (64, 2), (8, 64), (33, 5)):
+        check(world, ep_config(6, 8, topk, local * W, torch.float16, 1), topk, [6] * W, "duplicates_across_32",
+              topk % 2 == 1)
+
+
+@st.composite
+def cases(draw, W):
+    cap = draw(st.integers(1, 12))
+    topk = draw(st.one_of(st.sampled_from([1, 2, 8, 64]), st.integers(1, 16)))
+    local = draw(st.one_of(st.sampled_from([1, 64]), st.integers(1, 12)))
+    cfg = ep_config(cap, draw(st.integers(1, 40)), topk, local * W, draw(st.sampled_from(DTYPES)),
+                    draw(st.sampled_from([1, 16, 128])))
+    Ts = [draw(st.integers(0, cap)) for _ in range(W)]
+    return cfg, draw(st.integers(0, 2**20)), Ts, draw(st.sampled_from(ROUTINGS)), draw(st.booleans())
+
+
+@SETTINGS
+@given(data=st.data())
+def test_matches_reference(world, data):
+    check(world, *data.draw(cases(world.size)))
+
+
+def t_mixed(ctx, cfg):
+    """Both layouts back to back on one communicator, no host sync, the
+    handles combined in reverse order."""
+    comm, dev = ctx.comm(**cfg), ctx.device
+    sends = []
+    for i, layout in enumerate(("expert", "rank", "expert")):
+        x, idx, w = ep_inputs(20 + i, ctx.rank, ctx.world, cfg["max_tokens_per_rank"] - i, ref_cfg(cfg), "random")
+        sends.append(comm.dispatch(x.to(dev), idx.to(dev), w.to(dev), layout=layout))
+    outs = [comm.combine(expert_fn(d.x, ctx.rank, i), d.handle) for i, d in reversed(list(enumerate(sends)))]
+    return sends, outs[::-1]
+
+
+def test_both_layouts_back_to_back_with_interleaved_handles(world):
+    W = world.size
+    cfg = ep_config(8, 16, 4, 3 * W, torch.bfloat16, 16)
+    results = world.run(t_mixed, cfg)
+    for i, layout in enumerate(("expert", "rank", "expert")):
+        Ts = [cfg["max_tokens_per_rank"] - i] * W
+        xs, idxs, ws = zip(*[ep_inputs(20 + i, r, W, Ts[r], ref_cfg(cfg), "random") for r in range(W)])
+        ref = reference.dispatch(list(xs), list(idxs), list(ws), num_experts=cfg["num_experts"],
+                                 max_tokens_per_rank=cfg["max_tokens_per_rank"], layout=layout,
+                                 expert_alignment=16)
+        ref_out = reference.combine([expert_fn(ref[r].x, r, i) for r in range(W)], ref)
+        for r, (sends, outs) in enumerate(results):
+            if layout == "expert":
+                assert_expert_dispatched(sends[i], ref[r], f"call {i} rank {r}")
+            assert_bitwise(outs[i], ref_out[r], f"call {i} rank {r} combine")
+
+
+def test_layouts_combine_to_the_same_bits(world):
+    """The expert layout's combine of per-pair rows equals the rank layout's
+    combine of the same rows summed per received row first (what an experts
+    loop over slots gives): the two layouts are bitwise comparable."""
+    W = world.size
+    cfg = ep_config(10, 12, 6, 2 * W, torch.bfloat16, 1)
+    ref, ref_out = expected(W, cfg, 9, [10] * W, "random", True)
+    rank_rows = [reference._rank_rows(expert_fn(ref[r].x, r), ref[r].handle) for r in range(W)]
+    rank_ref = reference.dispatch(*[list(t) for t in zip(*[ep_inputs(9, r, W, 10, ref_cfg(cfg), "random")
+                                                           for r in range(W)])], num_experts=2 * W,
+                                  max_tokens_per_rank=10)
+    via_rank = reference.combine(rank_rows, rank_ref)
+    for r in range(W):
+        assert_bitwise(via_rank[r], ref_out[r], f"rank {r}")
+
+
+def t_overflow(ctx, cfg):
+    comm, dev = ctx.comm(**cfg), ctx.device
+    x, idx, w = ep_inputs(4, ctx.rank, ctx.world, cfg["max_tokens_per_rank"], ref_cfg(cfg), "one_expert")
+    d = comm.dispatch(x.to(dev), idx.to(dev), w.to(dev), layout="expert")
+    error = None
+    try:
+        comm.check()
+    except ValueError as e:
+        error = str(e)
+    again = comm.dispatch(x[:1].to(dev), idx[:1].to(dev), w[:1].to(dev), layout="expert")  # still usable
+    comm.check()
+    return d, error, again
+
+
+def test_max_expert_rows_overflow_raises_and_writes_nothing_out_of_bounds(world):
+    W = world.size
+    cfg = ep_config(6, 8, 2, 2 * W, torch.float32, 1, max_rows=5)
+    ref, _ = expected(W, cfg, 4, [6] * W, "one_expert", True)
+    for r, (d, error, again) in enumerate(world.run(t_overflow, cfg)):
+        assert d.x.shape[0] == 5
+        needed = int(ref[r].expert_offsets[-1])
+        if needed > 5:
+            assert error is not None and f"needed {needed} rows, more than this communicator's expert_rows = 5" \
+                in error, (r, error)
+        else:
+            assert error is None, (r, error)
+        assert_expert_dispatched(d, ref[r], f"rank {r}")  # the rows that fit
+
+
+def t_opcheck(ctx, cfg):
+    comm, dev = ctx.comm(**cfg), ctx.device
+    x, idx, w = ep_inputs(3, ctx.rank, ctx.world, cfg["max_tokens_per_rank"], ref_cfg(cfg), "every_rank")
+    token = rc.ops.order_token(dev)
+    args = (x.to(dev), idx.to(dev), w.to(dev), token, comm.id)
+    d = comm.dispatch(*args[:3], layout="expert")
+    # Every pair row is compared; rows past expert_offsets[-1] are unspecified, so the case fills x exactly.
+    assert int(d.expert_offsets[-1]) == comm.expert_rows
+    torch.library.opcheck(torch.ops.rdna4_comm.dispatch_expert.default, args)
+    h = d.handle
+    torch.library.opcheck(torch.ops.rdna4_comm.combine_expert.default,
+                          (d.x, h.expert_rows_of, h.recv_src, h.counts, h.src_tokens, h.send_mask, token, comm.id))
+    return True
+
+
+def test_opcheck(world_small):
+    W = world_small.size
+    # K = W and one local expert: every token reaches every rank once, so the layout has no padding.
+    assert all(world_small.run(t_opcheck, ep_config(4, 8, W, W, torch.float32, 1)))
+
+
+def t_compiled(ctx, cfg):
+    comm, dev = ctx.comm(**cfg), ctx.device
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def step(x, idx, w):
+        d = comm.dispatch(x, idx, w, layout="expert")
+        return d.expert_offsets, comm.combine(expert_fn(d.x, ctx.rank), d.handle)
+
+    x, idx, w = ep_inputs(6, ctx.rank, ctx.world, 5, ref_cfg(cfg), "random")
+    eager_d = comm.dispatch(x.to(dev), idx.to(dev), w.to(dev), layout="expert")
+    eager = comm.combine(expert_fn(eager_d.x, ctx.rank), eager_d.handle)
+    offsets, out = step(x.to(dev), idx.to(dev), w.to(dev))
+    return eager_d.expert_offsets, eager, offsets, out
+
+
+def test_compiled_matches_eager(world_small):
+    W = world_small.size
+    for eo, eager, co, out in world_small.run(t_compiled, ep_config(5, 8, 2, 2 * W, torch.bfloat16, 16)):
+        assert_bitwise(co, eo, "expert_offsets")
+        assert_bitwise(out, eager, "combine")
