@@ -15,9 +15,11 @@ import glob
 import os
 import pickle
 import time
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from . import _C
 
@@ -69,6 +71,23 @@ class Rendezvous:
                 )
             time.sleep(POLL_S)
         return [value if r == self.rank else pickle.loads(self.store.get(key + str(r))) for r in range(self.world)]
+
+    def own_group(self, group: dist.ProcessGroup, name: str, backend: str, timeout: timedelta) -> dist.ProcessGroup:
+        """A new process group of the ranks of ``group`` (collective over them),
+        named ``name`` as rank 0 gives it.
+
+        dist.new_group names a group either by a world-wide counter (then
+        every rank of the world must call it, members of ``group`` or not) or,
+        with use_local_synchronization, by its ranks alone (then two groups
+        of the same ranks collide in the store). Its helper takes a name,
+        which must be unique and the same on every rank."""
+        name = self.exchange("dist_group", name)[0]
+        ranks = dist.get_process_group_ranks(group)
+        pg, _ = c10d._new_process_group_helper(len(ranks), self.rank, ranks, dist.Backend(backend),
+                                               c10d._get_default_store(), name, timeout=timeout,
+                                               group_desc="rdna4_comm transport 'dist'")
+        c10d._world.pg_group_ranks[pg] = {g: r for r, g in enumerate(ranks)}  # as new_group records it
+        return pg
 
     def fail(self, error: BaseException) -> None:
         """Tell the other ranks that this rank's construction failed, so they

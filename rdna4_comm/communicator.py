@@ -12,7 +12,6 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 from . import _C
 from ._rendezvous import Rendezvous
@@ -239,22 +238,6 @@ class Communicator:
                           f"collectives, slower than peer-to-peer memory): {choice.reason}", stacklevel=2)
         _C.watch_peers(self.id, [(r, *p) for r, p in enumerate(rendezvous.processes) if p is not None])
 
-    def _own_group(self, backend: str, timeout: timedelta, rendezvous: Rendezvous) -> dist.ProcessGroup:
-        """A new process group of the ranks of ``group`` (collective over them).
-
-        dist.new_group names a group either by a world-wide counter (then
-        every rank of the world must call it, members of ``group`` or not) or,
-        with use_local_synchronization, by its ranks alone (then two groups
-        of the same ranks collide in the store). Its helper takes a name:
-        rank 0's host and communicator id, unique and the same on every rank."""
-        name = rendezvous.exchange("dist_group", f"rdna4_comm:{host_identity()}:{self.id}")[0]
-        ranks = dist.get_process_group_ranks(self.group)
-        pg, _ = c10d._new_process_group_helper(len(ranks), self.rank, ranks, dist.Backend(backend),
-                                               c10d._get_default_store(), name, timeout=timeout,
-                                               group_desc="rdna4_comm transport 'dist'")
-        c10d._world.pg_group_ranks[pg] = {g: r for r, g in enumerate(ranks)}  # as new_group records it
-        return pg
-
     def _start(self, transport: str, slot_bytes: Optional[int], reports: Sequence[RankReport],
                rendezvous: Rendezvous, settings: dict) -> list:
         """Create this rank's transport from ``settings`` (the validated fields
@@ -273,7 +256,8 @@ class Communicator:
             # collective carries timeout_ms itself): at least DIST_SETUP_MS,
             # which connecting gloo's pairs can take on a loaded host.
             setup = timedelta(milliseconds=max(settings["timeout_ms"], DIST_SETUP_MS))
-            dist_group = self._own_group("nccl" if nccl else "gloo", setup, rendezvous)
+            dist_group = rendezvous.own_group(self.group, f"rdna4_comm:{host_identity()}:{self.id}",
+                                              "nccl" if nccl else "gloo", setup)
         self._config = _C.CommConfig(
             id=self.id, transport=transport, group_name=dist_group.group_name if dist_group is not None else "",
             ar_slot_bytes=_C.allreduce_slot_bytes(transport, slot_bytes or 0),
