@@ -185,10 +185,12 @@ class ExpertParallelMoEBlock(nn.Module):
     1. the block's router picks the top-k experts and their weights;
     2. ``comm.dispatch`` sends each token to the ranks that own its experts;
     3. the block's experts module, holding this rank's ``E/W`` experts, runs on
-       all ``W*cap`` received rows: weighted by the received routing weights
-       and summed over each row's local slots (padding rows have no local slot
-       and give zeros), so shapes stay static;
-    4. ``comm.combine`` sums each token's rows from its destination ranks;
+       the expert layout's rows: one row per (token, local expert) pair,
+       grouped by expert, each with its pair's weight; rows that hold no pair
+       take the id the module skips, so no expert runs over padding and
+       shapes stay static;
+    4. ``comm.combine`` sums each token's pair rows per rank (ascending
+       expert), then over its destination ranks;
     5. the shared experts, where the block has them, are added as the block
        adds them.
 
@@ -236,12 +238,18 @@ class ExpertParallelMoEBlock(nn.Module):
         routing = self.adapter.route(getattr(self, self.adapter.router), x)
         # Routing goes through in the router's dtypes (int64 ids; fp32 or
         # bf16 weights), which the HF experts expect.
-        d = self.comm.dispatch(x, routing.topk_idx, routing.topk_weights)
-        # The library marks a slot whose expert lives on another rank (and
-        # every slot of a padding row) with -1; HF experts skip the id
-        # num_local_experts instead. Weights there are 0 either way.
-        local_idx = torch.where(d.topk_idx < 0, self.comm.num_local_experts, d.topk_idx)
-        y = self.adapter.run_experts(self.experts, d.x, local_idx, d.topk_weights)
+        d = self.comm.dispatch(x, routing.topk_idx, routing.topk_weights, layout="expert")
+        # Each row of the expert layout is one (token, local expert) pair,
+        # grouped by expert: a one-slot routing, its expert and weight. Rows
+        # that hold no pair (alignment padding, the tail) take the id
+        # num_local_experts, which HF experts skip.
+        n = self.comm.num_local_experts
+        offsets = d.expert_offsets.long()
+        row = torch.arange(d.x.shape[0], device=d.x.device)
+        expert = torch.searchsorted(offsets[1:], row, right=True).clamp_max(n - 1)
+        pair = row < offsets[expert] + d.expert_counts[expert]
+        y = self.adapter.run_experts(self.experts, d.x, torch.where(pair, expert, n).unsqueeze(1),
+                                     d.topk_weights.unsqueeze(1))
         out = self.comm.combine(y, d.handle)
         if self.adapter.shared is not None:
             out = out + self.adapter.shared(self, x)
