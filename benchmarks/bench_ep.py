@@ -16,6 +16,11 @@ reduce-scatters the gathered hidden states. Both are checked before timing
 (rdna4_comm against rdna4_comm.reference; see rdna4_comm._bench.cases.ep_ops).
 See benchmarks/_common.py for the results file.
 
+--layout rank expert times the expert layout too (dispatch(...,
+layout="expert"): one row per token and local expert, which combine takes
+back; named "dispatch+combine (expert layout)"), each layout against the
+same baseline in the same run.
+
 --cap N fixes every communicator's capacity at N (>= every token count
 selected, so give --tokens with it) instead of = tokens; configurations whose
 capacity differs from their token count are named "dispatch+combine (cap N)".
@@ -25,6 +30,7 @@ capacity differs from their token count are named "dispatch+combine (cap N)".
     python benchmarks/bench_ep.py --hidden 7168 --tokens 8 128 --out r.jsonl
     python benchmarks/bench_ep.py --hidden 7168 --tokens 8 --cap 4096
 """
+import functools
 import sys
 
 import _common
@@ -43,12 +49,14 @@ QUICK = [(t, h, None) for h in (256, 512) for t in (8, 32, 128)]
 DTYPE = torch.bfloat16
 
 
-def op_name(tokens: int, cap: int) -> str:
-    """The record's op: "dispatch+combine", or with the capacity where it is not the token count."""
-    return "dispatch+combine" if cap == tokens else f"dispatch+combine (cap {cap})"
+def op_name(tokens: int, cap: int, layout: str) -> str:
+    """The record's op: "dispatch+combine", with the capacity where it is not
+    the token count and the layout where it is not the rank layout."""
+    notes = ([f"cap {cap}"] if cap != tokens else []) + (["expert layout"] if layout == "expert" else [])
+    return "dispatch+combine" + (f" ({', '.join(notes)})" if notes else "")
 
 
-def worker(ctx, configs, rounds, samples) -> None:
+def worker(ctx, configs, rounds, samples, layouts=("rank",)) -> None:
     """One rank's sweep: per configuration, a communicator with its capacity
     (= tokens unless given), the check and timing of both backends, the
     record; everything freed before the next configuration (the large ones
@@ -57,20 +65,23 @@ def worker(ctx, configs, rounds, samples) -> None:
         cap = tokens if cap is None else cap
         with Communicator(ctx.cpu_group, max_tokens_per_rank=cap, hidden=hidden, topk=EP_TOPK,
                           num_experts=EP_EXPERTS, dtype=DTYPE, transport=ctx.transport) as comm:
-            ops = ep_ops(ctx, comm, tokens)
-            stats = measure(ctx, ops, rounds=rounds, samples=samples)
-            ctx.emit(record(op_name(tokens, cap), tokens, hidden, DTYPE, ops, stats, cap=cap))
-            del ops
+            for layout in layouts:
+                ops = ep_ops(ctx, comm, tokens, layout=layout)
+                stats = measure(ctx, ops, rounds=rounds, samples=samples)
+                ctx.emit(record(op_name(tokens, cap, layout), tokens, hidden, DTYPE, ops, stats, cap=cap))
+                del ops
         ctx.release()
 
 
-def add_cap(parser) -> None:
+def add_options(parser) -> None:
     parser.add_argument("--cap", type=int, help="capacity (max_tokens_per_rank) of every communicator, "
                         ">= every token count (default: = tokens; the full sweep adds 8 tokens at cap 4096)")
+    parser.add_argument("--layout", nargs="+", choices=("rank", "expert"), default=["rank"],
+                        help="dispatch layouts to time, each against the same baseline (default: rank)")
 
 
 def main(argv=None) -> int:
-    args = _common.parse_args(__doc__, argv, extra=add_cap)
+    args = _common.parse_args(__doc__, argv, extra=add_options)
     configs = _common.select(QUICK if args.quick else FULL, args)
     if args.cap is not None:
         too_many = sorted({t for t, _, _ in configs if t > args.cap})
@@ -79,7 +90,7 @@ def main(argv=None) -> int:
                   f"(selected token counts above it: {too_many}; choose them with --tokens)", file=sys.stderr)
             return 2
         configs = list(dict.fromkeys((t, h, args.cap) for t, h, _ in configs))
-    return _common.run("bench_ep", args, configs, worker)
+    return _common.run("bench_ep", args, configs, functools.partial(worker, layouts=tuple(args.layout)))
 
 
 if __name__ == "__main__":

@@ -135,7 +135,10 @@ TORCH_LIBRARY(rdna4_comm, m) {
       "(Tensor out, Tensor residual_out)");
 }
 
-TORCH_LIBRARY_IMPL(rdna4_comm, CPU, m) {
+namespace {
+// One implementation per op for every dispatch key: the communicator named
+// by `comm` decides the transport.
+void impl_ops(torch::Library& m) {
   m.impl("all_reduce", &all_reduce_op);
   m.impl("dispatch", &dispatch_op);
   m.impl("combine", &combine_op);
@@ -143,17 +146,13 @@ TORCH_LIBRARY_IMPL(rdna4_comm, CPU, m) {
   m.impl("combine_expert", &combine_expert_op);
   m.impl("all_reduce_rmsnorm", &all_reduce_rmsnorm_op);
 }
+}  // namespace
+
+TORCH_LIBRARY_IMPL(rdna4_comm, CPU, m) { impl_ops(m); }
 
 #ifdef RDNA4_COMM_WITH_GPU
 // ROCm builds of torch register HIP tensors under the CUDA key as well.
-TORCH_LIBRARY_IMPL(rdna4_comm, CUDA, m) {
-  m.impl("all_reduce", &all_reduce_op);
-  m.impl("dispatch", &dispatch_op);
-  m.impl("combine", &combine_op);
-  m.impl("dispatch_expert", &dispatch_expert_op);
-  m.impl("combine_expert", &combine_expert_op);
-  m.impl("all_reduce_rmsnorm", &all_reduce_rmsnorm_op);
-}
+TORCH_LIBRARY_IMPL(rdna4_comm, CUDA, m) { impl_ops(m); }
 #endif
 
 }  // namespace rdna4_comm

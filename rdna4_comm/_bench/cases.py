@@ -155,10 +155,13 @@ def _reduce_scatter_fn(ctx: RankContext, tokens: int):
     return (lambda out, inp: _reduce_scatter(out, inp, group=ctx.group)), "reduce_scatter_tensor"
 
 
-def ep_ops(ctx: RankContext, comm: Communicator, tokens: int, seed: int = 0) -> list[Op]:
+def ep_ops(ctx: RankContext, comm: Communicator, tokens: int, seed: int = 0, layout: str = "rank") -> list[Op]:
     """One MoE layer's communication for ``tokens`` tokens per rank, with the
     communicator's hidden size, top-k, experts and dtype, and fp32 weights;
     the expert step is left out (identity: the received rows go straight back).
+    ``layout="expert"``: dispatch returns the expert layout (one row per
+    token and local expert), which combine takes back; each token then comes
+    back times its number of experts.
 
     - rdna4_comm: ``d = dispatch(x, topk_idx, topk_weights)``, then
       ``combine(d.x, d.handle)``. Checked bitwise against
@@ -179,10 +182,12 @@ def ep_ops(ctx: RankContext, comm: Communicator, tokens: int, seed: int = 0) -> 
     idx, w = idxs[rank].to(dev), ws[rank].to(dev)
     owners = idx.long() // (E // W)
     n_dest = (owners.unsqueeze(-1) == torch.arange(W, device=dev)).any(1).sum(1)
-    round_trip = (x.float() * n_dest.unsqueeze(1)).to(dtype)
+    # ep_routing's ids are distinct within a token: K (token, expert) pairs each in the expert layout.
+    per_token = n_dest if layout == "rank" else torch.full_like(n_dest, K)
+    round_trip = (x.float() * per_token.unsqueeze(1)).to(dtype)
 
     def run_rdna4():
-        d = comm.dispatch(x, idx, w)
+        d = comm.dispatch(x, idx, w, layout=layout)
         return d, comm.combine(d.x, d.handle)
 
     def check_rdna4(result):
@@ -191,10 +196,18 @@ def ep_ops(ctx: RankContext, comm: Communicator, tokens: int, seed: int = 0) -> 
         xs = [pattern(r, T, cols, dtype, "cpu", bits=EP_BITS, width=H) for r in range(W)]
         ref = reference.dispatch(xs, idxs, ws, num_experts=E, max_tokens_per_rank=cap)
         part = f"[:, :{cols}]" if cols < H else ""
-        assert_dispatched(d, ref[rank], "dispatch vs reference:", cols)
+        if layout == "rank":
+            assert_dispatched(d, ref[rank], "dispatch vs reference:", cols)
+        elif W * cap * (E // W) <= EP_CHECK_BUDGET >> 6:  # the reference grouping loops in Python
+            mine = reference.expert_layout(ref[rank], E // W, comm.expert_alignment, comm.expert_rows)
+            for field in ("expert_counts", "expert_offsets"):
+                assert_same(getattr(d, field), getattr(mine, field), f"dispatch {field} vs reference")
+            assert_same(d.handle.expert_rows_of, mine.handle.expert_rows_of, "handle.expert_rows_of vs reference")
         expected = reference.combine([r.x for r in ref], ref)[rank]
-        assert_same(out[:, :cols], expected, f"combine{part} vs reference")
-        assert_same(out, round_trip, "combine(dispatch(x).x) == x * destination ranks")
+        if layout == "rank":
+            assert_same(out[:, :cols], expected, f"combine{part} vs reference")
+        assert_same(out, round_trip, "combine(dispatch(x).x) == x * " + ("destination ranks" if layout == "rank"
+                                                                          else "experts"))
 
     xg = torch.empty(W * T, H, dtype=dtype, device=dev)
     ig = torch.empty(W * T, K, dtype=torch.int32, device=dev)
@@ -219,7 +232,7 @@ def ep_ops(ctx: RankContext, comm: Communicator, tokens: int, seed: int = 0) -> 
 
     return [
         Op("rdna4_comm", run_rdna4, check_rdna4,
-           detail="dispatch(x, topk_idx, topk_weights) + combine(dispatched x, handle)"),
+           detail=f"dispatch(x, topk_idx, topk_weights, layout={layout!r}) + combine(dispatched x, handle)"),
         Op(ctx.baseline, run_baseline, check_baseline,
            detail=f"all_gather x, topk_idx, topk_weights + {rs_how} of the gathered x"),
     ]
