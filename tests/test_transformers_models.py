@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo.testing
 
 transformers = pytest.importorskip("transformers", minversion="5.18")  # setup.py extra "transformers"
 from rdna4_comm.integrations import transformers as hf  # noqa: E402
@@ -26,7 +27,7 @@ NEW_TOKENS = 6
 PROMPTS = {2: [(2, 5), (1, 3)], 4: [(2, 5), (1, 3), (0, 0), (3, 2)]}
 
 
-def _model(kind: str, seed: int) -> torch.nn.Module:
+def _model(kind: str, seed: int, experts: str = "eager") -> torch.nn.Module:
     common = dict(hidden_size=H, intermediate_size=I, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=V, max_position_embeddings=64, num_experts_per_tok=K,
                   pad_token_id=0, eos_token_id=1, bos_token_id=1)
@@ -51,7 +52,7 @@ def _model(kind: str, seed: int) -> torch.nn.Module:
         cfg, cls = transformers.GptOssConfig(num_local_experts=E, head_dim=8, **common), transformers.GptOssForCausalLM
     else:
         raise ValueError(kind)
-    cfg._experts_implementation = "grouped_mm" if kind == "gpt_oss" else "eager"
+    cfg._experts_implementation = "grouped_mm" if kind == "gpt_oss" else experts
     torch.manual_seed(seed)
     model = cls(cfg)
     # Matrices at unit scale (HF's init leaves routers near zero, where top-k ties everywhere).
@@ -63,9 +64,13 @@ def _model(kind: str, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
-def t_whole_model(ctx, kind, seed):
-    """This rank's (logits, new tokens) before and after expert_parallel; None without prompts."""
-    model = _model(kind, seed)
+def t_whole_model(ctx, kind, seed, compiled=False):
+    """This rank's (logits, new tokens) before and after expert_parallel; None
+    without prompts. ``compiled``: the converted blocks compiled for any token
+    count (grouped_mm experts: the eager ones do not compile fullgraph); also
+    returns how many graphs they took."""
+    model = _model(kind, seed, "grouped_mm" if compiled else "eager")
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
     comm = ctx.comm(max_tokens_per_rank=CAP, dtype=torch.float32, **hf.ep_fields(model.config))
     batch, length = PROMPTS[ctx.world][ctx.rank]
     ids = torch.randint(2, V, (batch, length), generator=torch.Generator().manual_seed(seed * 100 + ctx.rank))
@@ -73,7 +78,7 @@ def t_whole_model(ctx, kind, seed):
     gen = dict(do_sample=False, pad_token_id=0)
     with torch.no_grad():
         before = (model(ids).logits, model.generate(ids, max_new_tokens=new, **gen)) if batch else None
-        converted = hf.expert_parallel(model, comm)
+        converted = hf.expert_parallel(model, comm, compile_blocks=dict(backend=counter) if compiled else False)
         assert converted is model
         if batch:
             after = (model(ids).logits, model.generate(ids, max_new_tokens=new, synced_gpus=True, **gen))
@@ -82,7 +87,7 @@ def t_whole_model(ctx, kind, seed):
             hf.idle_generate(model, **gen)
             after = None
     blocks = sum(isinstance(m, hf.ExpertParallelMoEBlock) for m in model.modules())
-    return before, after, blocks
+    return before, after, blocks, counter.frame_count
 
 
 MODELS = ["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss"]
@@ -90,10 +95,14 @@ MODELS = ["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss"]
 MOE_LAYERS = dict(mixtral=2, qwen3_moe=1, qwen2_moe=2, deepseek_v3=1, gpt_oss=2)
 
 
-@pytest.mark.parametrize("kind,size", [(m, 2) for m in MODELS] + [("qwen3_moe", 4)])
-def test_whole_model_matches_the_unconverted_model(worlds, kind, size):
-    for rank, (before, after, blocks) in enumerate(worlds("cpu", size).run(t_whole_model, kind, 7)):
+@pytest.mark.parametrize("kind,size,compiled", [(m, 2, False) for m in MODELS] + [("qwen3_moe", 4, False),
+                                                                                    ("mixtral", 2, True)])
+def test_whole_model_matches_the_unconverted_model(worlds, kind, size, compiled):
+    for rank, (before, after, blocks, graphs) in enumerate(worlds("cpu", size).run(t_whole_model, kind, 7, compiled)):
         assert blocks == MOE_LAYERS[kind], (rank, blocks)
+        # Compiled: one graph serves every block (they share their code, the
+        # parameters are its inputs), prefill and every decode step, on every rank.
+        assert graphs == (1 if compiled else 0), (rank, graphs)
         if before is None:
             assert after is None
             continue

@@ -33,12 +33,13 @@ names (:data:`ADAPTERS`), so ``import rdna4_comm`` stays free of it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 from torch import nn
 
 from ..communicator import Communicator
+from ..ops import mark_dynamic_tokens
 from ..tp import TensorParallelMLP
 
 __all__ = [
@@ -233,7 +234,25 @@ class ExpertParallelMoEBlock(nn.Module):
             )
         _keep_local_experts(experts, comm)
 
+    def compile_tokens_dynamic(self, **compile_kwargs) -> "ExpertParallelMoEBlock":
+        """Run forward through ``torch.compile(fullgraph=True, **compile_kwargs)``
+        with every dimension of the input but the last marked as a token
+        count of any size (:func:`rdna4_comm.mark_dynamic_tokens`) at each
+        call: one graph serves every rank's batch and sequence sizes, prefill
+        and decode alike, so no rank recompiles while its peers wait in the
+        block's collectives. Returns the block."""
+        self._compiled = torch.compile(self._forward, fullgraph=True, **compile_kwargs)
+        return self
+
     def forward(self, hidden_states: torch.Tensor):
+        compiled = self.__dict__.get("_compiled")
+        if compiled is None or torch.compiler.is_compiling():
+            return self._forward(hidden_states)
+        for dim in range(hidden_states.dim() - 1):
+            mark_dynamic_tokens(hidden_states, dim)
+        return compiled(hidden_states)
+
+    def _forward(self, hidden_states: torch.Tensor):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         routing = self.adapter.route(getattr(self, self.adapter.router), x)
         # Routing goes through in the router's dtypes (int64 ids; fp32 or
@@ -280,7 +299,7 @@ def ep_fields(config) -> dict:
     return dict(hidden=cfg.hidden_size, topk=topk, num_experts=experts)
 
 
-def expert_parallel(model: nn.Module, comm: Communicator) -> nn.Module:
+def expert_parallel(model: nn.Module, comm: Communicator, compile_blocks: Union[bool, dict] = False) -> nn.Module:
     """Make ``model`` expert-parallel in place and return it: every MoE block
     with an adapter (:data:`ADAPTERS`, by class or base class) becomes an
     :class:`ExpertParallelMoEBlock` on ``comm`` under the same name, so the
@@ -292,6 +311,11 @@ def expert_parallel(model: nn.Module, comm: Communicator) -> nn.Module:
     a rank without prompts calls :func:`idle_forward` (or
     :func:`idle_generate`) instead. Raises ValueError if the model has no
     MoE block with an adapter.
+
+    ``compile_blocks``: True, or a dict of ``torch.compile`` arguments, compiles
+    every converted block for any token count
+    (:meth:`ExpertParallelMoEBlock.compile_tokens_dynamic`); the rest of the
+    model stays as it is (docs/integrations.md, "torch.compile").
     """
     found = [(name, module) for name, module in model.named_modules()
              if any(cls.__name__ in ADAPTERS for cls in type(module).__mro__)]
@@ -301,7 +325,10 @@ def expert_parallel(model: nn.Module, comm: Communicator) -> nn.Module:
         raise ValueError(f"{type(model).__name__} has no MoE block with an adapter (known blocks: {', '.join(ADAPTERS)})")
     for name, block in blocks:
         parent_name, _, attr = name.rpartition(".")
-        model.get_submodule(parent_name).add_module(attr, ExpertParallelMoEBlock(block, comm))
+        ep = ExpertParallelMoEBlock(block, comm)
+        if compile_blocks:
+            ep.compile_tokens_dynamic(**(compile_blocks if isinstance(compile_blocks, dict) else {}))
+        model.get_submodule(parent_name).add_module(attr, ep)
     return model
 
 
