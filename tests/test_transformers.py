@@ -84,7 +84,7 @@ def ep_config(dtype):
     return dict(max_tokens_per_rank=CAP, hidden=H, topk=K, num_experts=E, dtype=dtype, allreduce_slot_bytes=4096)
 
 
-def t_moe(ctx, model, experts_implementation, dtype, seed, compiled):
+def t_moe(ctx, model, experts_implementation, dtype, seed, compiled, layout="expert"):
     """Per call, (HF block's output, EP eager, EP compiled or None) on this
     rank's tokens, and how many graphs the compiled block took."""
     comm = ctx.comm(**ep_config(dtype))
@@ -93,7 +93,7 @@ def t_moe(ctx, model, experts_implementation, dtype, seed, compiled):
     xs = [rand(seed + i, ctx.rank, TOKEN_SHAPES[(ctx.rank + i) % len(TOKEN_SHAPES)] + (H,), dtype) for i in range(3)]
     with torch.no_grad():
         expected = [block(x) for x in xs]
-        ep = hf.ExpertParallelMoEBlock(block, comm)
+        ep = hf.ExpertParallelMoEBlock(block, comm, layout=layout)
         eager = [ep(x) for x in xs]
         fast, graphs = [None] * len(xs), 0
         if compiled:
@@ -152,6 +152,12 @@ EAGER_CASES = [(m, "eager") for m in ("mixtral", "qwen3_moe", "qwen2_moe", "olmo
 def test_expert_parallel_block_matches_hf(worlds, model, experts_implementation, dtype, size):
     results = worlds("cpu", size).run(t_moe, model, experts_implementation, dtype, 3, False)
     check_moe(results, dtype)
+
+
+@pytest.mark.parametrize("model,experts_implementation", EAGER_CASES, ids=[f"{m}-{i}" for m, i in EAGER_CASES])
+def test_rank_layout_block_matches_hf(worlds, model, experts_implementation):
+    results = worlds("cpu", 2).run(t_moe, model, experts_implementation, torch.float32, 5, False, "rank")
+    check_moe(results, torch.float32)
 
 
 # The HF eager experts loop over the experts that got tokens (a data-dependent

@@ -205,6 +205,13 @@ class ExpertParallelMoEBlock(nn.Module):
             ``max_tokens_per_rank`` at least the tokens (batch x sequence) of
             one forward.
         adapter: how this block family differs (default: ``adapter_for(block)``).
+        layout: ``"expert"`` (default; steps 3-4 above) or ``"rank"``: the
+            experts module runs on dispatch's ``W*cap`` rank-layout rows with
+            their received routing (slots of other ranks' experts, and every
+            slot of a padding row, take the id the module skips), and combine
+            takes them back. The expert layout is built with tensor ops for
+            now (docs/performance.md), so the rank layout costs less per call
+            where the experts would skip those rows anyway.
 
     ``forward(hidden_states)`` takes what the block takes (``[B, S, H]``, or any
     ``[..., H]``) and returns what it returns, e.g. ``(hidden, router_scores)``
@@ -212,10 +219,14 @@ class ExpertParallelMoEBlock(nn.Module):
     tokens too: dispatch and combine are collectives.
     """
 
-    def __init__(self, block: nn.Module, comm: Communicator, adapter: Optional[MoEAdapter] = None):
+    def __init__(self, block: nn.Module, comm: Communicator, adapter: Optional[MoEAdapter] = None,
+                 layout: str = "expert"):
         super().__init__()
+        if layout not in ("expert", "rank"):
+            raise ValueError(f"layout must be 'expert' or 'rank', got {layout!r}")
         self.adapter = adapter if adapter is not None else adapter_for(block)
         self.comm = comm
+        self.layout = layout
         for name, child in block.named_children():
             self.add_module(name, child)
         router, experts = getattr(self, self.adapter.router), self.experts
@@ -257,18 +268,23 @@ class ExpertParallelMoEBlock(nn.Module):
         routing = self.adapter.route(getattr(self, self.adapter.router), x)
         # Routing goes through in the router's dtypes (int64 ids; fp32 or
         # bf16 weights), which the HF experts expect.
-        d = self.comm.dispatch(x, routing.topk_idx, routing.topk_weights, layout="expert")
-        # Each row of the expert layout is one (token, local expert) pair,
-        # grouped by expert: a one-slot routing, its expert and weight. Rows
-        # that hold no pair (alignment padding, the tail) take the id
-        # num_local_experts, which HF experts skip.
+        d = self.comm.dispatch(x, routing.topk_idx, routing.topk_weights, layout=self.layout)
+        # HF experts skip the id num_local_experts: every slot that names no
+        # local expert takes it.
         n = self.comm.num_local_experts
-        offsets = d.expert_offsets.long()
-        row = torch.arange(d.x.shape[0], device=d.x.device)
-        expert = torch.searchsorted(offsets[1:], row, right=True).clamp_max(n - 1)
-        pair = row < offsets[expert] + d.expert_counts[expert]
-        y = self.adapter.run_experts(self.experts, d.x, torch.where(pair, expert, n).unsqueeze(1),
-                                     d.topk_weights.unsqueeze(1))
+        if self.layout == "rank":  # the library marks such slots (and padding rows' slots) -1
+            y = self.adapter.run_experts(self.experts, d.x, torch.where(d.topk_idx < 0, n, d.topk_idx),
+                                         d.topk_weights)
+        else:
+            # Each row is one (token, local expert) pair, grouped by expert: a
+            # one-slot routing, its expert and weight. Rows that hold no pair
+            # (alignment padding, the tail) take the skipped id.
+            offsets = d.expert_offsets.long()
+            row = torch.arange(d.x.shape[0], device=d.x.device)
+            expert = torch.searchsorted(offsets[1:], row, right=True).clamp_max(n - 1)
+            pair = row < offsets[expert] + d.expert_counts[expert]
+            y = self.adapter.run_experts(self.experts, d.x, torch.where(pair, expert, n).unsqueeze(1),
+                                         d.topk_weights.unsqueeze(1))
         out = self.comm.combine(y, d.handle)
         if self.adapter.shared is not None:
             out = out + self.adapter.shared(self, x)
@@ -299,7 +315,8 @@ def ep_fields(config) -> dict:
     return dict(hidden=cfg.hidden_size, topk=topk, num_experts=experts)
 
 
-def expert_parallel(model: nn.Module, comm: Communicator, compile_blocks: Union[bool, dict] = False) -> nn.Module:
+def expert_parallel(model: nn.Module, comm: Communicator, compile_blocks: Union[bool, dict] = False,
+                    layout: str = "expert") -> nn.Module:
     """Make ``model`` expert-parallel in place and return it: every MoE block
     with an adapter (:data:`ADAPTERS`, by class or base class) becomes an
     :class:`ExpertParallelMoEBlock` on ``comm`` under the same name, so the
@@ -315,7 +332,8 @@ def expert_parallel(model: nn.Module, comm: Communicator, compile_blocks: Union[
     ``compile_blocks``: True, or a dict of ``torch.compile`` arguments, compiles
     every converted block for any token count
     (:meth:`ExpertParallelMoEBlock.compile_tokens_dynamic`); the rest of the
-    model stays as it is (docs/integrations.md, "torch.compile").
+    model stays as it is (docs/integrations.md, "torch.compile"). ``layout``:
+    the blocks' dispatch layout (:class:`ExpertParallelMoEBlock`).
     """
     found = [(name, module) for name, module in model.named_modules()
              if any(cls.__name__ in ADAPTERS for cls in type(module).__mro__)]
@@ -325,7 +343,7 @@ def expert_parallel(model: nn.Module, comm: Communicator, compile_blocks: Union[
         raise ValueError(f"{type(model).__name__} has no MoE block with an adapter (known blocks: {', '.join(ADAPTERS)})")
     for name, block in blocks:
         parent_name, _, attr = name.rpartition(".")
-        ep = ExpertParallelMoEBlock(block, comm)
+        ep = ExpertParallelMoEBlock(block, comm, layout=layout)
         if compile_blocks:
             ep.compile_tokens_dynamic(**(compile_blocks if isinstance(compile_blocks, dict) else {}))
         model.get_submodule(parent_name).add_module(attr, ep)
