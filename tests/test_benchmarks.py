@@ -68,6 +68,17 @@ def test_quick_benchmark(tmp_path, script, op, backends):
     assert out.read_bytes() == before
 
 
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+def test_bench_moe_layer_times_both_layouts_against_the_baseline(tmp_path):
+    out = tmp_path / "results.jsonl"
+    r = run(str(ROOT / "benchmarks" / "bench_moe_layer.py"), "--quick", *FAST, "--tokens", "8", "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [x for x in map(json.loads, out.read_text().splitlines()) if x["type"] == "result"]
+    assert {(x["op"], x["backend"]) for x in rows} == {
+        (f"MoE layer ({layout} layout)", backend) for layout in ("rank", "expert") for backend in ("rdna4_comm", "gloo")}
+    assert all(x["p50_us"] > 0 and x["tokens"] == 8 for x in rows)
+
+
 def test_bench_ep_cap_runs_a_decode_step_on_a_larger_capacity(tmp_path):
     out = tmp_path / "ep_cap.jsonl"
     cmd = [str(ROOT / "benchmarks" / "bench_ep.py"), "--quick", *FAST, "--tokens", "8", "--hidden", "256",
