@@ -64,12 +64,13 @@ ExpertDispatched Comm::dispatch_expert(const at::Tensor& x, const at::Tensor& to
   const int64_t E = cfg_.experts_per_rank(), K = cfg_.topk, A = cfg_.expert_alignment, n = cfg_.expert_rows();
   const at::Tensor ids = d.topk_idx.to(at::kLong);  // [R, K]: local ids, -1 where the expert is elsewhere
   const int64_t R = ids.size(0);
-  const at::Tensor slot = at::arange(K, ids.options()).view({1, K});
   const at::Tensor here = ids >= 0;
+  // same[j, k, k']: slots k and k' of row j name the same expert; earlier[k, k']: k' < k.
+  const at::Tensor same = (ids.unsqueeze(2) == ids.unsqueeze(1)) & here.unsqueeze(2);
+  const at::Tensor slot = at::arange(K, ids.options());
+  const at::Tensor earlier = slot.view({1, K}) < slot.view({K, 1});
   // first[j, k]: no earlier slot of row j names the same expert.
-  at::Tensor repeated = at::zeros_like(here);
-  for (int64_t k = 0; k + 1 < K; ++k) repeated = repeated | ((ids == ids.narrow(1, k, 1)) & (slot > k));
-  const at::Tensor first = here & ~repeated;
+  const at::Tensor first = here & ~(same & earlier).any(2);
   const at::Tensor e = at::where(first, ids, 0);
   // has[j, e]: row j has expert e; counts, aligned offsets, row positions.
   const at::Tensor has = at::zeros({R, E + 1}, ids.options()).scatter_(1, at::where(here, ids, E), 1).narrow(1, 0, E);
@@ -98,10 +99,10 @@ ExpertDispatched Comm::dispatch_expert(const at::Tensor& x, const at::Tensor& to
   out.expert_offsets = offsets.to(at::kInt);
   if (topk_weights.has_value()) {
     // The pair's weight: its slots' weights summed in slot order, from its first slot.
-    const at::Tensor w = d.topk_weights;
-    at::Tensor acc = w.to(at::kFloat);
-    for (int64_t k = 1; k < K; ++k)
-      acc = at::where((ids == ids.narrow(1, k, 1)) & (slot < k) & here, acc + w.narrow(1, k, 1).to(at::kFloat), acc);
+    const at::Tensor w = d.topk_weights, w32 = w.to(at::kFloat);
+    const at::Tensor later_same = same & earlier.t();  // [j, k, k']: k' > k names the same expert
+    at::Tensor acc = w32;
+    for (int64_t k = 1; k < K; ++k) acc = at::where(later_same.select(2, k), acc + w32.narrow(1, k, 1), acc);
     out.topk_weights = at::zeros({n + 1}, w.options()).scatter_(0, to, acc.to(w.scalar_type()).reshape(-1)).narrow(0, 0, n);
   } else {
     out.topk_weights = at::empty({0}, d.x.options().dtype(at::kFloat));
