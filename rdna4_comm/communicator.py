@@ -428,7 +428,8 @@ class Communicator:
         # checks every other field (docs/semantics.md, "Bad handles").
         compiling = torch.compiler.is_compiling()
         shape = handle.token_shape
-        if not compiling and math.prod(shape) != handle.send_mask.shape[0]:
+        # numel() of the Size and of the 1-D mask: the cheapest sizes Python has.
+        if not compiling and math.prod(shape) != handle.send_mask.numel():
             raise ValueError(
                 f"combine: handle.token_shape {tuple(shape)} holds {math.prod(shape)} "
                 f"tokens but handle.send_mask has {handle.send_mask.shape[0]}: the fields come from different dispatches"
