@@ -12,8 +12,6 @@
 
 namespace rdna4_comm {
 
-namespace {
-
 std::string shape_str(const at::Tensor& t) {
   std::ostringstream s;
   s << t.sizes();
@@ -64,8 +62,6 @@ void check_ep(const CommConfig& c, const char* op) {
               "' was created without EP fields; pass max_tokens_per_rank, hidden, topk and "
               "num_experts to Communicator to use dispatch/combine");
 }
-
-}  // namespace
 
 namespace {
 // The EP element size follows the payload dtype (no EP: no EP buffers).

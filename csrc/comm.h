@@ -48,6 +48,16 @@ struct CommConfig : HeapConfig {
   }
 };
 
+// The ops' argument checks: each raises naming the op, the argument, what
+// it must be and what it is, in torch's Python spelling of dtypes.
+std::string shape_str(const at::Tensor& t);
+std::string dtype_name(at::ScalarType t);
+void check_device(const char* op, const char* arg, const at::Tensor& t, const at::Device& dev);
+void check_contiguous(const char* op, const char* arg, const at::Tensor& t);
+void check_dtype(const char* op, const char* arg, const at::Tensor& t, at::ScalarType want);
+void check_shape(const char* op, const char* arg, const at::Tensor& t, at::IntArrayRef want, const char* meaning);
+void check_ep(const CommConfig& c, const char* op);
+
 // A communicator's all_reduce slot: bytes per (parity, source) inbox, one
 // chunk of a larger tensor at a time (one-shot chunks fill at most one slot,
 // two-shot chunks at most world_size). `requested`, or the transport's

@@ -7,7 +7,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <sstream>
 
 namespace rdna4_comm {
 
@@ -121,16 +120,15 @@ at::Tensor Comm::combine_expert(const at::Tensor& y, const at::Tensor& expert_ro
                                 const at::Tensor& counts, const at::Tensor& src_tokens, const at::Tensor& send_mask) {
   raise_pending();
   static const char* op = "combine";
-  TORCH_CHECK_VALUE(cfg_.has_ep(), op, ": this communicator has no EP fields");
+  check_ep(cfg_, op);
   const int64_t n = cfg_.expert_rows(), R = int64_t(cfg_.world) * cfg_.cap, K = cfg_.topk;
-  TORCH_CHECK_VALUE(y.device() == device(), op, ": y must be on ", device(), ", got ", y.device());
-  TORCH_CHECK_VALUE(y.dim() == 2 && y.size(0) == n && y.size(1) == cfg_.hidden, op, ": y must have shape [", n, ", ",
-                    cfg_.hidden, "] (expert_rows, hidden) for an expert-layout handle, got ", y.sizes());
-  TORCH_CHECK_TYPE(y.scalar_type() == cfg_.dtype, op, ": y must be ", cfg_.dtype, ", got ", y.scalar_type());
-  TORCH_CHECK_VALUE(expert_rows_of.device() == device() && expert_rows_of.scalar_type() == at::kInt &&
-                        expert_rows_of.dim() == 2 && expert_rows_of.size(0) == R && expert_rows_of.size(1) == K,
-                    op, ": handle.expert_rows_of must be int32 [", R, ", ", K, "] on ", device(), ", got ",
-                    expert_rows_of.scalar_type(), " ", expert_rows_of.sizes(), " on ", expert_rows_of.device());
+  const auto dev = device();
+  check_device(op, "y", y, dev);
+  check_shape(op, "y", y, {n, cfg_.hidden}, "[comm.expert_rows, hidden] for an expert-layout handle");
+  check_dtype(op, "y", y, cfg_.dtype);
+  check_device(op, "handle.expert_rows_of", expert_rows_of, dev);
+  check_dtype(op, "handle.expert_rows_of", expert_rows_of, at::kInt);
+  check_shape(op, "handle.expert_rows_of", expert_rows_of, {R, K}, "[world_size * max_tokens_per_rank, topk]");
   // Each received row: its expert rows summed in fp32 in ascending expert
   // order, from the first, rounded once. A value outside [0, n) (a forged
   // handle) names no row.

@@ -169,6 +169,9 @@ class Communicator:
                 raise TypeError(f"Communicator: dtype must be one of {EP_DTYPES}, got {dtype}")
         if self.world_size > _C.max_world:
             raise ValueError(f"Communicator: at most {_C.max_world} ranks are supported, got {self.world_size}")
+        expert_alignment = _positive_int("expert_alignment", expert_alignment)
+        if max_expert_rows is not None:
+            max_expert_rows = _positive_int("max_expert_rows", max_expert_rows)
         if timeout_ms is None:
             env = os.environ.get("RDNA4_COMM_TIMEOUT_MS", str(DEFAULT_TIMEOUT_MS))
             try:
@@ -207,9 +210,7 @@ class Communicator:
 
         settings = dict(rank=self.rank, world=self.world_size, cap=cap, hidden=hidden, topk=topk,
                         num_experts=num_experts, dtype=dtype, timeout_ms=timeout_ms,
-                        expert_alignment=_positive_int("expert_alignment", expert_alignment),
-                        max_expert_rows=0 if max_expert_rows is None else _positive_int("max_expert_rows",
-                                                                                        max_expert_rows))
+                        expert_alignment=expert_alignment, max_expert_rows=max_expert_rows or 0)
         # "dist" runs on the GPUs when every rank has one, else on the CPU.
         on_gpu = all(rep.gpu is not None for rep in reports) and choice.transport != "cpu"
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")

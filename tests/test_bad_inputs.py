@@ -69,6 +69,12 @@ CASES = {
     "ctor.timeout": (lambda e: constructor(timeout_ms=-5), "ValueError", "timeout_ms must be a positive int, got -5"),
     "ctor.slot_bytes": (lambda e: constructor(allreduce_slot_bytes=0), "ValueError",
                         "allreduce_slot_bytes must be a positive int, got 0"),
+    "ctor.expert_alignment": (lambda e: constructor(max_tokens_per_rank=4, hidden=8, topk=2, num_experts=2 * e.W,
+                                                    expert_alignment=0), "ValueError",
+                              "expert_alignment must be a positive int, got 0"),
+    "ctor.max_expert_rows": (lambda e: constructor(max_tokens_per_rank=4, hidden=8, topk=2, num_experts=2 * e.W,
+                                                   max_expert_rows=-1), "ValueError",
+                             "max_expert_rows must be a positive int, got -1"),
     "ctor.timeout_env": (lambda e: with_timeout_env("ten seconds"), "ValueError",
                          "RDNA4_COMM_TIMEOUT_MS must be a positive integer (milliseconds), got 'ten seconds'"),
     # dispatch
@@ -102,6 +108,8 @@ CASES = {
                           "topk_weights must be on {dev}"),
     "dispatch.no_ep": (lambda e: lambda: e.ar_only.dispatch(e.x, e.idx), "RuntimeError",
                        "created without EP fields"),
+    "dispatch.layout": (lambda e: lambda: e.comm.dispatch(e.x, e.idx, layout="expert_major"), "ValueError",
+                        "dispatch: layout must be one of ('rank', 'expert'), got 'expert_major'"),
     # combine
     "combine.y_rows": (lambda e: lambda: e.comm.combine(e.y[:-1], e.d.handle), "ValueError",
                        "y must have shape [{rows}, 8] ([world_size * max_tokens_per_rank, hidden])"),
@@ -121,6 +129,15 @@ CASES = {
         token_shape=(2, 3))), "ValueError", "handle.token_shape (2, 3) holds 6 tokens but handle.send_mask has 4"),
     "combine.handle_field_dtype": (lambda e: lambda: e.comm.combine(e.y, e.d.handle._replace(
         counts=e.d.handle.counts.long())), "TypeError", "handle.counts must be torch.int32, got torch.int64"),
+    "combine.expert_y_rows": (lambda e: lambda: e.comm.combine(e.y, e.de.handle), "ValueError",
+                              "y must have shape [{expert_rows}, 8] ([comm.expert_rows, hidden] for an "
+                              "expert-layout handle)"),
+    "combine.expert_rows_of_dtype": (lambda e: lambda: e.comm.combine(e.de.x, e.de.handle._replace(
+        expert_rows_of=e.de.handle.expert_rows_of.long())), "TypeError",
+        "handle.expert_rows_of must be torch.int32, got torch.int64"),
+    "combine.expert_rows_of_shape": (lambda e: lambda: e.comm.combine(e.de.x, e.de.handle._replace(
+        expert_rows_of=e.de.handle.expert_rows_of[:, :-1])), "ValueError",
+        "handle.expert_rows_of must have shape [{rows}, 3] ([world_size * max_tokens_per_rank, topk])"),
     # all_reduce
     "all_reduce.dtype": (lambda e: lambda: e.comm.all_reduce(torch.ones(8, dtype=torch.int64, device=e.dev)),
                          "TypeError", "x must be torch.float32, torch.bfloat16 or torch.float16, got torch.int64"),
@@ -150,11 +167,12 @@ def t_catalogue(ctx):
     ar_only = ctx.comm(allreduce_slot_bytes=4096)
     x, idx, w = (t.to(dev) for t in ep_inputs(1, ctx.rank, W, 4, ref_cfg(W), "random"))
     d = comm.dispatch(x, idx, w)
+    de = comm.dispatch(x, idx, w, layout="expert")
     foreign = other.dispatch(x, idx, w)
     closed = rc.Communicator(transport=ctx.transport)
     closed.close()
     e = SimpleNamespace(
-        W=W, dev=dev, comm=comm, ar_only=ar_only, closed=closed, x=x, idx=idx, w=w, d=d, foreign=foreign,
+        W=W, dev=dev, comm=comm, ar_only=ar_only, closed=closed, x=x, idx=idx, w=w, d=d, de=de, foreign=foreign,
         y=expert_fn(d.x, ctx.rank), wrong_device=torch.device("meta") if ctx.device.type == "cpu" else torch.device("cpu"),
         ones=lambda *shape: torch.ones(*shape, dtype=torch.bfloat16, device=dev),
         zeros_ids=lambda T: torch.zeros(T, K, dtype=torch.long, device=dev),
@@ -180,7 +198,8 @@ def test_every_bad_input_raises_its_error_and_the_communicator_stays_usable(worl
     documented = documented_cases()
     for r, (errors, out, s) in enumerate(results):
         for name, (_, kind, text) in CASES.items():
-            text = text.format(dev=dev, rows=size * CAP)
+            # expert_rows: every received row in min(K, E/W = 2) experts, alignment 1.
+            text = text.format(dev=dev, rows=size * CAP, expert_rows=size * CAP * min(K, 2))
             assert errors[name] is not None, f"rank {r}: {name} was accepted"
             assert errors[name][0] == kind and text in errors[name][1], (name, errors[name], text)
             if transport == "cpu" and size == 2:  # the documented examples are for this world
