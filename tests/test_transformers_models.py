@@ -9,7 +9,8 @@ its own (data-parallel attention, expert-parallel MoE, as EP serving runs
 them), then converts it and runs the same prompts again: ``model(input_ids)``
 and ``model.generate(max_new_tokens=..., do_sample=False, synced_gpus=True)``.
 A rank without prompts takes part through idle_forward / idle_generate;
-rank 0 asks for fewer new tokens, so it finishes before its peers.
+rank 0 asks for fewer new tokens, so it finishes before its peers. fp32 at
+W = 2 for every model and W = 4 for four; bf16 logits at W = 4 for two.
 """
 from __future__ import annotations
 
@@ -90,13 +91,28 @@ def t_whole_model(ctx, kind, seed, compiled=False):
     return before, after, blocks, counter.frame_count
 
 
+def t_bf16_forward(ctx, kind, seed):
+    """This rank's bf16 logits before and after expert_parallel (None without prompts)."""
+    model = _model(kind, seed).to(torch.bfloat16)
+    comm = ctx.comm(max_tokens_per_rank=CAP, dtype=torch.bfloat16, **hf.ep_fields(model.config))
+    batch, length = PROMPTS[ctx.world][ctx.rank]
+    ids = torch.randint(2, V, (batch, length), generator=torch.Generator().manual_seed(seed * 100 + ctx.rank))
+    with torch.no_grad():
+        before = model(ids).logits if batch else None
+        hf.expert_parallel(model, comm)
+        if batch:
+            return before, model(ids).logits
+        hf.idle_forward(model)
+    return None
+
+
 MODELS = ["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss"]
 # One MoE layer of two where the first is dense.
 MOE_LAYERS = dict(mixtral=2, qwen3_moe=1, qwen2_moe=2, deepseek_v3=1, gpt_oss=2)
 
 
-@pytest.mark.parametrize("kind,size,compiled", [(m, 2, False) for m in MODELS] + [("qwen3_moe", 4, False),
-                                                                                    ("mixtral", 2, True)])
+@pytest.mark.parametrize("kind,size,compiled", [(m, 2, False) for m in MODELS] + [
+    (m, 4, False) for m in ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")] + [("mixtral", 2, True)])
 def test_whole_model_matches_the_unconverted_model(worlds, kind, size, compiled):
     for rank, (before, after, blocks, graphs) in enumerate(worlds("cpu", size).run(t_whole_model, kind, 7, compiled)):
         assert blocks == MOE_LAYERS[kind], (rank, blocks)
@@ -132,3 +148,18 @@ def t_dense_model(ctx):
 def test_a_model_without_moe_blocks_is_refused(worlds):
     for error in worlds("cpu", 2).run(t_dense_model):
         assert error is not None and "LlamaForCausalLM has no MoE block with an adapter" in error, error
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "deepseek_v3"])
+def test_bf16_whole_model_logits_within_bf16_rounding(worlds, kind):
+    """bf16: the expert-parallel model sums each token's experts in another
+    order than HF's block (fp32 per rank, then over ranks), so its logits
+    differ from the unconverted model's by bf16 roundings, not more."""
+    for rank, pair in enumerate(worlds("cpu", 4).run(t_bf16_forward, kind, 11)):
+        if pair is None:
+            continue
+        before, after = (t.float() for t in pair)
+        err = (after - before).abs().max().item()
+        scale = before.abs().max().item()
+        assert err <= 2**-6 * scale, f"rank {rank}: logits differ by {err} at scale {scale}"
+
