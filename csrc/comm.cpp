@@ -144,18 +144,26 @@ std::string Comm::timeout_message(int op, int peer, uint64_t gen) const {
   return s.str();
 }
 
+namespace {
+// Event queries and host allocations are not allowed while the current
+// stream captures a graph (they would invalidate the capture).
+bool capturing(const at::Device& dev) {
+#ifdef RDNA4_COMM_WITH_GPU
+  return dev.is_cuda() && current_stream_capturing(dev.index());
+#else
+  return false;
+#endif
+}
+}  // namespace
+
 void Comm::defer_check(std::initializer_list<at::Tensor> values, std::function<void(const int32_t*)> check) {
+  const at::Device dev = values.begin()->device();
+  if (capturing(dev)) return;
   int64_t n = 0;
   for (const at::Tensor& t : values) n += t.numel();
-  const at::Device dev = values.begin()->device();
   DeferredCheck c{at::empty({n}, at::TensorOptions().dtype(at::kInt).pinned_memory(dev.is_cuda())), c10::nullopt,
                   std::move(check)};
-  if (dev.is_cuda()) {
-#ifdef RDNA4_COMM_WITH_GPU
-    if (current_stream_capturing(dev.index())) return;
-#endif
-    c.landed.emplace(dev.type());
-  }
+  if (dev.is_cuda()) c.landed.emplace(dev.type());
   int64_t at = 0;
   for (const at::Tensor& t : values) {
     c.host.narrow(0, at, t.numel()).copy_(t.reshape(-1), /*non_blocking=*/dev.is_cuda());
@@ -165,17 +173,22 @@ void Comm::defer_check(std::initializer_list<at::Tensor> values, std::function<v
   deferred_.push_back(std::move(c));
 }
 
-void Comm::raise_pending() {
-  while (!deferred_.empty() && (!deferred_.front().landed || deferred_.front().landed->query())) {
+void Comm::run_deferred_checks(size_t most) {
+  if (deferred_.empty() || capturing(device())) return;
+  for (; most > 0 && !deferred_.empty() && (!deferred_.front().landed || deferred_.front().landed->query()); --most) {
     const DeferredCheck c = std::move(deferred_.front());
     deferred_.pop_front();
     c.check(c.host.data_ptr<int32_t>());
   }
+}
+
+void Comm::raise_pending() {
+  run_deferred_checks();
   check();
 }
 
 at::Tensor Comm::all_reduce(const at::Tensor& x) {
-  raise_pending();
+  check();
   static const char* op = "all_reduce";
   const auto dev = device();
   check_device(op, "x", x, dev);
@@ -201,7 +214,7 @@ void Comm::all_reduce_into(at::ScalarType st, const char* in, char* out, int64_t
 std::pair<at::Tensor, at::Tensor> Comm::all_reduce_rmsnorm(const at::Tensor& x,
                                                            const c10::optional<at::Tensor>& residual,
                                                            const at::Tensor& weight, double eps) {
-  raise_pending();
+  check();
   static const char* op = "all_reduce_rmsnorm";
   const auto dev = device();
   check_device(op, "x", x, dev);
@@ -279,7 +292,7 @@ at::Tensor Comm::empty(at::IntArrayRef sizes, at::ScalarType dtype) const {
 
 Dispatched Comm::dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
                           const c10::optional<at::Tensor>& topk_weights) {
-  raise_pending();
+  check();
   static const char* op = "dispatch";
   check_ep(cfg_, op);
   const auto dev = device();
@@ -330,7 +343,7 @@ Dispatched Comm::dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
 
 at::Tensor Comm::combine(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
                          const at::Tensor& src_tokens, const at::Tensor& send_mask) {
-  raise_pending();
+  check();
   static const char* op = "combine";
   check_ep(cfg_, op);
   const auto dev = device();

@@ -193,9 +193,12 @@ class Comm {
                                    const c10::optional<at::Tensor>& topk_weights);
   at::Tensor combine_expert(const at::Tensor& y, const at::Tensor& expert_rows_of, const at::Tensor& recv_src,
                             const at::Tensor& counts, const at::Tensor& src_tokens, const at::Tensor& send_mask);
-  // Raises for an earlier op that failed, or for a value an op computed on
-  // the device that a deferred check found wrong (then once); every op
-  // starts here, and so does comm.check().
+  // Runs the first `most` deferred checks (defer_check) whose values have
+  // landed, oldest first; they raise for a value an op computed on the
+  // device that is wrong. Every op ends here (ops.cpp).
+  void run_deferred_checks(size_t most = SIZE_MAX);
+  size_t pending_checks() const { return deferred_.size(); }
+  // comm.check(): the deferred checks, then check().
   void raise_pending();
   // (out, residual_out); see docs/semantics.md, "all_reduce_rmsnorm".
   std::pair<at::Tensor, at::Tensor> all_reduce_rmsnorm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
@@ -228,8 +231,8 @@ class Comm {
   // Checks of values an op computed on the device, without a host
   // synchronisation: `values` (int32) are copied to host memory behind the
   // op (pinned, on the op's stream, on a GPU) and check(host copy) runs at
-  // the first raise_pending() after the copy has landed. Not under a graph
-  // capture (a replay's copy lands when the host does not look).
+  // the first run_deferred_checks() after the copy has landed. Not under a
+  // graph capture (a replay's copy lands when the host does not look).
   void defer_check(std::initializer_list<at::Tensor> values, std::function<void(const int32_t*)> check);
 
   std::string timeout_message(int op, int peer, uint64_t gen) const;

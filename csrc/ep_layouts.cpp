@@ -81,7 +81,10 @@ ExpertDispatched Comm::dispatch_expert(const at::Tensor& x, const at::Tensor& to
   // it goes to the extra row n, which no output keeps.
   const at::Tensor kept = first & (dest < n);
   const at::Tensor to = at::where(kept, dest, n).reshape(-1);
-  defer_check({offsets.narrow(0, E, 1).to(at::kInt)}, [this, n](const int32_t* needed) {
+  // The rows the pairs need: up to the end of the last nonempty block (its
+  // alignment padding need not fit).
+  const at::Tensor needed_rows = (offsets.narrow(0, 0, E) + counts).amax().view({1});
+  defer_check({needed_rows.to(at::kInt)}, [this, n](const int32_t* needed) {
     TORCH_CHECK_VALUE(*needed <= n, "dispatch: the expert layout of an earlier call needed ", *needed,
                       " rows, more than this communicator's expert_rows = ", n,
                       " (max_expert_rows): the rows past it were dropped and nothing was written out of bounds. "
@@ -118,7 +121,7 @@ ExpertDispatched Comm::dispatch_expert(const at::Tensor& x, const at::Tensor& to
 
 at::Tensor Comm::combine_expert(const at::Tensor& y, const at::Tensor& expert_rows_of, const at::Tensor& recv_src,
                                 const at::Tensor& counts, const at::Tensor& src_tokens, const at::Tensor& send_mask) {
-  raise_pending();
+  check();
   static const char* op = "combine";
   check_ep(cfg_, op);
   const int64_t n = cfg_.expert_rows(), R = int64_t(cfg_.world) * cfg_.cap, K = cfg_.topk;
@@ -137,7 +140,8 @@ at::Tensor Comm::combine_expert(const at::Tensor& y, const at::Tensor& expert_ro
   const at::Tensor at_row = at::where(valid, rows, 0);
   auto term = [&](int64_t k) { return y.index_select(0, at_row.select(1, k)).to(at::kFloat); };
   auto ok = [&](int64_t k) { return valid.narrow(1, k, 1); };
-  at::Tensor acc = at::where(ok(0), term(0), 0.f);
+  // -0.0 is the sum of no terms: x + -0.0 == x for every x, -0.0 included.
+  at::Tensor acc = at::where(ok(0), term(0), -0.f);
   for (int64_t k = 1; k < K; ++k) acc = at::where(ok(k), acc + term(k), acc);
   return combine(acc.to(cfg_.dtype).contiguous(), recv_src, counts, src_tokens, send_mask);
 }

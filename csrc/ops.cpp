@@ -20,10 +20,22 @@ void check_order_token(const char* op, const at::Tensor& order, const at::Device
                     order.device());
 }
 
+// Runs an op, then the deferred checks (Comm::defer_check) that earlier ops
+// left: at the end, after the op's collective ran on every rank, so a
+// failed check leaves the ranks in step; and only earlier ops', so an op's
+// own check reports at the rank's next call, on every device alike.
+template <typename Op>
+auto after_earlier_checks(const std::shared_ptr<Comm>& c, Op op) {
+  const size_t earlier = c->pending_checks();
+  auto out = op();
+  c->run_deferred_checks(earlier);
+  return out;
+}
+
 at::Tensor all_reduce_op(const at::Tensor& x, at::Tensor& order, c10::string_view comm) {
   auto c = find_comm(std::string(comm));
   check_order_token("all_reduce", order, c->device());
-  return c->all_reduce(x);
+  return after_earlier_checks(c, [&] { return c->all_reduce(x); });
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
@@ -31,7 +43,7 @@ dispatch_op(const at::Tensor& x, const at::Tensor& topk_idx, const c10::optional
             at::Tensor& order, c10::string_view comm) {
   auto c = find_comm(std::string(comm));
   check_order_token("dispatch", order, c->device());
-  Dispatched d = c->dispatch(x, topk_idx, topk_weights);
+  Dispatched d = after_earlier_checks(c, [&] { return c->dispatch(x, topk_idx, topk_weights); });
   return {d.x, d.topk_idx, d.topk_weights, d.counts, d.recv_src, d.src_tokens, d.send_mask};
 }
 
@@ -40,7 +52,7 @@ dispatch_expert_op(const at::Tensor& x, const at::Tensor& topk_idx, const c10::o
                    at::Tensor& order, c10::string_view comm) {
   auto c = find_comm(std::string(comm));
   check_order_token("dispatch", order, c->device());
-  ExpertDispatched d = c->dispatch_expert(x, topk_idx, topk_weights);
+  ExpertDispatched d = after_earlier_checks(c, [&] { return c->dispatch_expert(x, topk_idx, topk_weights); });
   return {d.x, d.expert_counts, d.expert_offsets, d.topk_weights, d.recv_src, d.counts, d.src_tokens, d.send_mask,
           d.expert_rows_of};
 }
@@ -50,7 +62,8 @@ at::Tensor combine_expert_op(const at::Tensor& y, const at::Tensor& expert_rows_
                              at::Tensor& order, c10::string_view comm) {
   auto c = find_comm(std::string(comm));
   check_order_token("combine", order, c->device());
-  return c->combine_expert(y, expert_rows_of, recv_src, counts, src_tokens, send_mask);
+  return after_earlier_checks(
+      c, [&] { return c->combine_expert(y, expert_rows_of, recv_src, counts, src_tokens, send_mask); });
 }
 
 at::Tensor combine_op(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
@@ -58,7 +71,7 @@ at::Tensor combine_op(const at::Tensor& y, const at::Tensor& recv_src, const at:
                       c10::string_view comm) {
   auto c = find_comm(std::string(comm));
   check_order_token("combine", order, c->device());
-  return c->combine(y, recv_src, counts, src_tokens, send_mask);
+  return after_earlier_checks(c, [&] { return c->combine(y, recv_src, counts, src_tokens, send_mask); });
 }
 
 std::tuple<at::Tensor, at::Tensor> all_reduce_rmsnorm_op(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
@@ -66,7 +79,7 @@ std::tuple<at::Tensor, at::Tensor> all_reduce_rmsnorm_op(const at::Tensor& x, co
                                                         c10::string_view comm) {
   auto c = find_comm(std::string(comm));
   check_order_token("all_reduce_rmsnorm", order, c->device());
-  auto [out, residual_out] = c->all_reduce_rmsnorm(x, residual, weight, eps);
+  auto [out, residual_out] = after_earlier_checks(c, [&] { return c->all_reduce_rmsnorm(x, residual, weight, eps); });
   return {out, residual_out};
 }
 

@@ -118,6 +118,8 @@ def dispatch(
         bfloat16/float16 inputs) and are rounded once to the receiving rank's
         weight dtype.
     """
+    if layout not in ("rank", "expert"):
+        raise ValueError(f"dispatch: layout must be one of ('rank', 'expert'), got {layout!r}")
     rank_major = _dispatch_rank_major(xs, topk_idxs, topk_weights, num_experts, max_tokens_per_rank)
     if layout == "rank":
         return rank_major

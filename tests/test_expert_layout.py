@@ -170,13 +170,40 @@ def test_max_expert_rows_overflow_raises_and_writes_nothing_out_of_bounds(world)
     ref, _ = expected(W, cfg, 4, [6] * W, "one_expert", True)
     for r, (d, error, again) in enumerate(world.run(t_overflow, cfg)):
         assert d.x.shape[0] == 5
-        needed = int(ref[r].expert_offsets[-1])
+        # Up to the end of the last nonempty block: its alignment padding need not fit.
+        needed = int((ref[r].expert_offsets[:-1] + ref[r].expert_counts).max())
         if needed > 5:
             assert error is not None and f"needed {needed} rows, more than this communicator's expert_rows = 5" \
                 in error, (r, error)
         else:
             assert error is None, (r, error)
         assert_expert_dispatched(d, ref[r], f"rank {r}")  # the rows that fit
+
+
+def t_overflow_next_call(ctx, cfg):
+    """The overflow raises at the end of the rank's next op, after that op ran
+    on every rank: the ranks stay in step and the next collective works."""
+    comm, dev = ctx.comm(**cfg), ctx.device
+    x, idx, w = ep_inputs(4, ctx.rank, ctx.world, cfg["max_tokens_per_rank"], ref_cfg(cfg), "one_expert")
+    d = comm.dispatch(x.to(dev), idx.to(dev), w.to(dev), layout="expert")
+    error = None
+    try:
+        comm.combine(expert_fn(d.x, ctx.rank), d.handle)
+    except ValueError as e:
+        error = str(e)
+    ctx.sync()
+    total = comm.all_reduce(torch.full((4,), float(ctx.rank + 1), device=dev))
+    return error, total
+
+
+def test_overflow_raises_at_the_next_call_and_the_ranks_stay_in_step(world):
+    W = world.size
+    cfg = ep_config(6, 8, 2, 2 * W, torch.float32, 1, max_rows=5)
+    ref, _ = expected(W, cfg, 4, [6] * W, "one_expert", True)
+    for r, (error, total) in enumerate(world.run(t_overflow_next_call, cfg)):
+        needed = int((ref[r].expert_offsets[:-1] + ref[r].expert_counts).max())
+        assert (error is not None) == (needed > 5), (r, needed, error)
+        assert torch.equal(total, torch.full((4,), float(W * (W + 1) // 2))), (r, total)
 
 
 def t_opcheck(ctx, cfg):

@@ -214,12 +214,12 @@ class DistComm final : public Comm {
   // A handle on the CPU is checked first, by the CPU transport's checker
   // (a ValueError before the exchange: the peers wait for the repeated
   // call). On a GPU, reading it would synchronise every combine: it is
-  // copied to pinned host memory behind the op instead, and checked by the
-  // same checker once the copy has landed (check()). A bad one then fails
-  // the communicator, as on the GPU transport: the peers complete this
-  // combine and this rank raises at its next op or comm.check(). Combines
-  // captured in a graph are not checked: a replay's copy would land when
-  // the host does not look.
+  // copied to pinned host memory behind the op instead (defer_check), and
+  // checked by the same checker once the copy has landed. A bad one then
+  // fails the communicator, as on the GPU transport: the peers complete
+  // this combine and this rank raises at the end of its next op or at
+  // comm.check(). Combines captured in a graph are not checked: a replay's
+  // copy would land when the host does not look.
   void combine_impl(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
                     const at::Tensor& src_tokens, const at::Tensor& send_mask, at::Tensor& out) override {
     const int W = cfg_.world;
