@@ -451,8 +451,9 @@ class Communicator:
     # ---------------------------------------------------------- lifecycle
 
     def check(self) -> None:
-        """Wait for this rank's queued ops (GPU: synchronise the device) and
-        raise RuntimeError if any of them failed, e.g. timed out on a peer."""
+        """Wait for this rank's queued ops (GPU: synchronise the device); raise
+        RuntimeError if any failed (e.g. timed out on a peer), ValueError if an
+        expert-layout dispatch needed more than ``expert_rows`` rows."""
         self._check_open()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
