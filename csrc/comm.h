@@ -178,6 +178,8 @@ class Comm {
   std::array<OutputSpec, kDispatchOutputs> dispatch_outputs(at::ScalarType idx_dtype,
                                                             c10::optional<at::ScalarType> weights_dtype) const;
   OutputSpec combine_output() const;
+  // A fresh output of `spec` for `ntok` tokens (empty()).
+  at::Tensor empty_output(const OutputSpec& spec, int64_t ntok) const;
   std::array<OutputSpec, kExpertDispatchOutputs> dispatch_expert_outputs(
       c10::optional<at::ScalarType> weights_dtype) const;
 
@@ -258,6 +260,10 @@ class Comm {
   };
   std::string handle_expectation(int field, int64_t index, const HandleFacts& facts) const;
   std::string device_bad_handle_message(uint64_t word) const;
+  // "rdna4_comm: <message> (found on rank r of communicator 'id' <found>).
+  // The communicator is unusable now: ...": a bad handle found after its
+  // combine ran, which leaves the communicator failed.
+  std::string bad_handle_failure(const std::string& message, const char* found) const;
   // The rank of a watched peer whose process has exited, or -1.
   int exited_peer() const;
   std::string exit_message(int peer) const;

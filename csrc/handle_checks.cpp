@@ -93,15 +93,19 @@ void Comm::check_handle_values(const int32_t* recv_src, const int32_t* counts, c
   // recv_src past the received rows is never read, so any value passes.
 }
 
+std::string Comm::bad_handle_failure(const std::string& message, const char* found) const {
+  std::ostringstream s;
+  s << "rdna4_comm: " << message << " (found on rank " << cfg_.rank << " of communicator '" << cfg_.id << "' "
+    << found << "). The communicator is unusable now: close it and create a new one.";
+  return s.str();
+}
+
 std::string Comm::device_bad_handle_message(uint64_t word) const {
   const int field = bad_handle_field(word);
   const int64_t index = bad_handle_index(word);
   const std::string expected = handle_expectation(field, index, HandleFacts{});
-  std::ostringstream s;
-  s << "rdna4_comm: " << bad_handle_message(field, index, bad_handle_value(word), expected)
-    << " (found by the combine kernel on rank " << cfg_.rank << " of communicator '" << cfg_.id
-    << "', which stored nothing out of bounds). The communicator is unusable now: close it and create a new one.";
-  return s.str();
+  return bad_handle_failure(bad_handle_message(field, index, bad_handle_value(word), expected),
+                            "by the combine kernel, which stored nothing out of bounds");
 }
 
 }  // namespace rdna4_comm

@@ -69,7 +69,7 @@ class DistComm final : public Comm {
 
   at::Device device() const override { return device_; }
 
-  void check() override { raise_if_failed(); }
+  void check() override { TORCH_CHECK(failure_.empty(), failure_); }
 
  protected:
   // The fused op: the rows' rank-ordered sum through all_reduce_chunk, then
@@ -233,12 +233,9 @@ class DistComm final : public Comm {
         try {
           check_handle_values(p, p + rows, p + rows + cfg_.world, p + rows + 2 * cfg_.world, T);
         } catch (const c10::ValueError& e) {
-          std::ostringstream s;
-          s << "rdna4_comm: " << e.what_without_backtrace() << " (found on rank " << cfg_.rank
-            << " of communicator '" << cfg_.id << "' after that combine ran, which read nothing outside the "
-            << "exchanged buffers). The communicator is unusable now: close it and create a new one.";
-          failure_ = s.str();
-          raise_if_failed();
+          failure_ = bad_handle_failure(e.what_without_backtrace(),
+                                        "after that combine ran, which read nothing outside the exchanged buffers");
+          check();
         }
       });
     const uint64_t gen = next_generation(kOpCombine);
@@ -324,10 +321,9 @@ class DistComm final : public Comm {
         << collective << " said: " << e.what();
       failure_ = s.str();
     }
-    raise_if_failed();
+    check();
   }
 
-  void raise_if_failed() const { TORCH_CHECK(failure_.empty(), failure_); }
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   at::Device device_;
