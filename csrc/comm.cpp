@@ -366,9 +366,7 @@ at::Tensor Comm::combine(const at::Tensor& y, const at::Tensor& recv_src, const 
   TORCH_CHECK_VALUE(send_mask.dim() == 1 && send_mask.size(0) <= cfg_.cap, op,
                     ": handle.send_mask must have shape [T] with T <= ", cfg_.cap, ", got ",
                     shape_str(send_mask));
-  const OutputSpec spec = combine_output();
-  const std::array<int64_t, 2> n = spec.with_tokens(send_mask.size(0));
-  at::Tensor out = empty(at::IntArrayRef(n.data(), spec.dims), spec.dtype);
+  at::Tensor out = empty_output(combine_output(), send_mask.size(0));
   combine_impl(y, recv_src, counts, src_tokens, send_mask, out);
   return out;
 }

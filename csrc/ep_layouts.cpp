@@ -7,7 +7,6 @@
 
 #include <c10/util/Exception.h>
 
-
 namespace rdna4_comm {
 
 std::array<OutputSpec, kDispatchOutputs> Comm::dispatch_outputs(at::ScalarType idx_dtype,
@@ -24,16 +23,18 @@ std::array<OutputSpec, kDispatchOutputs> Comm::dispatch_outputs(at::ScalarType i
 
 OutputSpec Comm::combine_output() const { return {{kTokenDim, cfg_.hidden}, 2, cfg_.dtype}; }
 
+at::Tensor Comm::empty_output(const OutputSpec& spec, int64_t ntok) const {
+  const std::array<int64_t, 2> n = spec.with_tokens(ntok);
+  return empty(at::IntArrayRef(n.data(), spec.dims), spec.dtype);
+}
+
 Dispatched Comm::allocate_dispatched(int64_t ntok, at::ScalarType idx_dtype,
                                      c10::optional<at::ScalarType> weights_dtype) const {
   const auto specs = dispatch_outputs(idx_dtype, weights_dtype);
   Dispatched d;
   at::Tensor* fields[kDispatchOutputs] = {&d.x, &d.topk_idx, &d.topk_weights, &d.counts,
                                           &d.recv_src, &d.src_tokens, &d.send_mask};
-  for (int i = 0; i < kDispatchOutputs; ++i) {
-    const std::array<int64_t, 2> n = specs[i].with_tokens(ntok);
-    *fields[i] = empty(at::IntArrayRef(n.data(), specs[i].dims), specs[i].dtype);
-  }
+  for (int i = 0; i < kDispatchOutputs; ++i) *fields[i] = empty_output(specs[i], ntok);
   return d;
 }
 
@@ -96,7 +97,7 @@ ExpertDispatched Comm::dispatch_expert(const at::Tensor& x, const at::Tensor& to
   source.scatter_(0, to, at::arange(R, ids.options()).view({R, 1}).expand({R, K}).reshape(-1));
   source = source.narrow(0, 0, n);
   // Rows without a pair (alignment padding, the tail) are zeros.
-  out.x = at::where((source >= 0).unsqueeze(1), d.x.index_select(0, source.clamp_min(0)), 0).to(cfg_.dtype);
+  out.x = at::where((source >= 0).unsqueeze(1), d.x.index_select(0, source.clamp_min(0)), 0);
   out.expert_counts = counts.to(at::kInt);
   out.expert_offsets = offsets.to(at::kInt);
   if (topk_weights.has_value()) {

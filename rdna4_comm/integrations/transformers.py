@@ -227,6 +227,7 @@ class ExpertParallelMoEBlock(nn.Module):
         self.adapter = adapter if adapter is not None else adapter_for(block)
         self.comm = comm
         self.layout = layout
+        self._compiled = None  # compile_tokens_dynamic
         for name, child in block.named_children():
             self.add_module(name, child)
         router, experts = getattr(self, self.adapter.router), self.experts
@@ -256,12 +257,11 @@ class ExpertParallelMoEBlock(nn.Module):
         return self
 
     def forward(self, hidden_states: torch.Tensor):
-        compiled = self.__dict__.get("_compiled")
-        if compiled is None or torch.compiler.is_compiling():
+        if self._compiled is None or torch.compiler.is_compiling():
             return self._forward(hidden_states)
         for dim in range(hidden_states.dim() - 1):
             mark_dynamic_tokens(hidden_states, dim)
-        return compiled(hidden_states)
+        return self._compiled(hidden_states)
 
     def _forward(self, hidden_states: torch.Tensor):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
