@@ -181,8 +181,10 @@ def test_max_expert_rows_overflow_raises_and_writes_nothing_out_of_bounds(world)
 
 
 def t_overflow_next_call(ctx, cfg):
-    """The overflow raises at the end of the rank's next op, after that op ran
-    on every rank: the ranks stay in step and the next collective works."""
+    """The overflow raises at the end of a later op of the rank, after that op
+    ran on every rank (the next one on the CPU; on a GPU the first after the
+    device computed it), or at check(): the ranks stay in step and the next
+    collective works."""
     comm, dev = ctx.comm(**cfg), ctx.device
     x, idx, w = ep_inputs(4, ctx.rank, ctx.world, cfg["max_tokens_per_rank"], ref_cfg(cfg), "one_expert")
     d = comm.dispatch(x.to(dev), idx.to(dev), w.to(dev), layout="expert")
@@ -191,6 +193,11 @@ def t_overflow_next_call(ctx, cfg):
         comm.combine(expert_fn(d.x, ctx.rank), d.handle)
     except ValueError as e:
         error = str(e)
+    if error is None:
+        try:
+            comm.check()
+        except ValueError as e:
+            error = str(e)
     ctx.sync()
     total = comm.all_reduce(torch.full((4,), float(ctx.rank + 1), device=dev))
     return error, total
