@@ -58,7 +58,9 @@ def quantize_fp8(x: torch.Tensor, block: int = DEFAULT_BLOCK) -> tuple[torch.Ten
     if blocks * block != H:  # zeros leave every block's amax as it is
         magnitude = torch.nn.functional.pad(magnitude, (0, blocks * block - H))
     amax = magnitude.unflatten(-1, (blocks, block)).amax(-1)
-    scales = torch.clamp_min(amax, AMAX_FLOOR) / FP8_MAX
+    # A tensor divisor: torch divides a CUDA tensor by a Python number as a
+    # multiplication by its reciprocal, which is not the IEEE quotient.
+    scales = torch.clamp_min(amax, AMAX_FLOOR) / torch.full_like(amax, FP8_MAX)
     # Each channel's scale by index: the form that torch.compile gets right
     # for H not a multiple of block (repeat_interleave and pad/slice do not).
     per_channel = scales[..., torch.arange(H, device=x.device) // block]
