@@ -2,7 +2,10 @@
 // sources: RC_HD for code that host, device and the CPU transport share
 // (protocol.h), RC_DEVICE for device-only helpers. Both are inline, so a
 // header's functions may appear in every translation unit that includes it.
+// Also the bit casts that shared code needs.
 #pragma once
+
+#include <cstdint>
 
 #if defined(__CUDACC__) || defined(__HIPCC__) || defined(__HIP__)
 #define RC_HD __host__ __device__ inline
@@ -10,3 +13,15 @@
 #else
 #define RC_HD inline
 #endif
+
+// (The builtin: device code has no library memcpy.)
+RC_HD uint32_t float_bits(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, sizeof(u));
+  return u;
+}
+RC_HD float bits_float(uint32_t u) {
+  float f;
+  __builtin_memcpy(&f, &u, sizeof(f));
+  return f;
+}

@@ -106,6 +106,52 @@ def test_edge_cases_become_what_the_contract_says():
     assert bool(torch.isnan(back[3]).all()) and bool(torch.isnan(back[4]).all())  # 0 * inf is NaN too
 
 
+def float_patterns() -> torch.Tensor:
+    """float32 values of every exponent and both signs, with mantissas on
+    and around e4m3's rounding bit (bit 20), the ties below it, and random ones."""
+    g = torch.Generator().manual_seed(7)
+    steps = torch.arange(64, dtype=torch.int64) << 17
+    mantissas = torch.cat([steps, steps + 1, (steps - 1).clamp_min(0), torch.arange(16),
+                           torch.randint(0, 1 << 23, (512,), generator=g)])
+    patterns = (torch.arange(256, dtype=torch.int64)[:, None] << 23) | mantissas[None, :]
+    patterns = torch.cat([patterns, patterns | (1 << 31)]).flatten()
+    return ((patterns + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32).view(torch.float32)
+
+
+def test_the_kernels_conversion_is_torchs():
+    """fp8.h's conversion (CPU transport and kernels), against torch's, on
+    every value the rule can produce (|v| below 464, where torch versions
+    agree) and NaN; larger magnitudes saturate at +-448."""
+    f = float_patterns()
+    mine = rc._C.testing.fp8_e4m3fn_bits(f)
+    rule = (f.abs() < 464) | torch.isnan(f)
+    assert torch.equal(mine[rule], f[rule].to(FP8).view(torch.uint8)), "conversion differs from torch's"
+    big = torch.tensor([464.0, -464.0, 500.0, 1e30, -math.inf, math.inf])
+    assert rc._C.testing.fp8_e4m3fn_bits(big).tolist() == [0x7E, 0xFE, 0x7E, 0x7E, 0xFE, 0x7E]
+
+
+@SETTINGS
+@given(case=rows())
+def test_the_transports_rows_are_the_rule(case):
+    """The CPU transport's row quantiser (fp8.h, as the GPU kernels apply it)
+    against rc.quantize_fp8, bitwise, at the dispatch block of 128."""
+    x, _ = case
+    q, scales = rc._C.testing.quantize_fp8_rows(x)
+    q_ref, s_ref = rc.quantize_fp8(x)
+    assert_same_or_both_nan(q, q_ref, "q")
+    assert_same_or_both_nan(scales, s_ref, "scales")
+
+
+def test_the_transports_rows_on_the_edge_cases():
+    bf16_max = torch.finfo(torch.bfloat16).max
+    x = torch.tensor([[0.0, -0.0] * 100, [bf16_max, -bf16_max] * 100, [1e-40, -1e-39] * 100,
+                      [1.0, float("nan")] * 100, [float("inf"), -2.0] * 100], dtype=torch.bfloat16)
+    q, scales = rc._C.testing.quantize_fp8_rows(x)
+    q_ref, s_ref = rc.quantize_fp8(x)
+    assert_same_or_both_nan(q, q_ref, "q")
+    assert_same_or_both_nan(scales, s_ref, "scales")
+
+
 @pytest.mark.parametrize("hidden", [100, 128, 300])
 def test_compiled_gives_the_eager_bits(hidden):
     x = (torch.randn(5, hidden, generator=torch.Generator().manual_seed(hidden)) * 3).to(torch.bfloat16)
