@@ -31,6 +31,8 @@ std::string dtype_name(at::ScalarType t) {
     case at::kChar: return "torch.int8";
     case at::kByte: return "torch.uint8";
     case at::kBool: return "torch.bool";
+    case at::kFloat8_e4m3fn: return "torch.float8_e4m3fn";
+    case at::kFloat8_e5m2: return "torch.float8_e5m2";
     default: return c10::toString(t);
   }
 }
@@ -67,6 +69,7 @@ namespace {
 // The EP element size follows the payload dtype (no EP: no EP buffers).
 CommConfig with_element_size(CommConfig c) {
   c.elt = c.has_ep() ? int64_t(c10::elementSize(c.dtype)) : 0;
+  c.fp8_scales = c.has_ep() && c.fp8() ? fp8_num_scales(c.hidden) : 0;
   return c;
 }
 
@@ -290,7 +293,7 @@ at::Tensor Comm::empty(at::IntArrayRef sizes, at::ScalarType dtype) const {
   return at::empty(sizes, at::TensorOptions().device(device()).dtype(dtype));
 }
 
-Dispatched Comm::dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
+Dispatched Comm::dispatch(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales, const at::Tensor& topk_idx,
                           const c10::optional<at::Tensor>& topk_weights) {
   check();
   static const char* op = "dispatch";
@@ -304,40 +307,52 @@ Dispatched Comm::dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
   const int64_t T = x.numel() / cfg_.hidden;
   TORCH_CHECK_VALUE(T <= cfg_.cap, op, ": x must have shape [..., ", cfg_.hidden, "] with at most ", cfg_.cap,
                     " tokens (max_tokens_per_rank), got ", shape_str(x), " = ", T, " tokens");
-  check_dtype(op, "x", x, cfg_.dtype);
-  check_contiguous(op, "x", x);
-  // Routing has x's leading dimensions and topk, or is flat: [T, K].
-  auto check_routing = [&](const char* arg, const at::Tensor& t) {
+  // A tensor that has x's leading dimensions and `cols` columns, or is flat: [T, cols].
+  auto check_per_token = [&](const char* arg, const at::Tensor& t, int64_t cols, const char* what) {
     check_device(op, arg, t, dev);
-    const bool flat = t.dim() == 2 && t.size(0) == T && t.size(1) == cfg_.topk;
-    const bool like_x = t.dim() == x.dim() && t.size(-1) == cfg_.topk &&
+    const bool flat = t.dim() == 2 && t.size(0) == T && t.size(1) == cols;
+    const bool like_x = t.dim() == x.dim() && t.size(-1) == cols &&
                         t.sizes().slice(0, t.dim() - 1) == x.sizes().slice(0, x.dim() - 1);
     if (!flat && !like_x) {
-      std::vector<int64_t> routing_shape(x.sizes().begin(), x.sizes().end() - 1);
-      routing_shape.push_back(cfg_.topk);
-      TORCH_CHECK_VALUE(false, op, ": ", arg, " must have shape ", at::IntArrayRef(routing_shape),
-                        " (x's tokens, topk) or [", T, ", ", cfg_.topk, "], got ", shape_str(t));
+      std::vector<int64_t> want(x.sizes().begin(), x.sizes().end() - 1);
+      want.push_back(cols);
+      TORCH_CHECK_VALUE(false, op, ": ", arg, " must have shape ", at::IntArrayRef(want), " (x's tokens, ", what,
+                        ") or [", T, ", ", cols, "], got ", shape_str(t));
     }
     check_contiguous(op, arg, t);
   };
+  if (x_scales.has_value()) {
+    TORCH_CHECK_VALUE(cfg_.fp8(), op, ": a pre-quantised (q, scales) pair needs a communicator made with "
+                      "dispatch_dtype=torch.float8_e4m3fn; this one dispatches ", dtype_name(cfg_.dtype));
+    check_dtype(op, "x (the pair's q)", x, at::kFloat8_e4m3fn);
+    check_dtype(op, "x_scales (the pair's scales)", *x_scales, at::kFloat);
+    check_per_token("x_scales (the pair's scales)", *x_scales, cfg_.fp8_scales, "ceil(hidden / 128)");
+  } else {
+    TORCH_CHECK_TYPE(x.scalar_type() == cfg_.dtype, op, ": x must be ", dtype_name(cfg_.dtype),
+                     cfg_.fp8() ? " (quantised to FP8 by the op) or a (q, scales) pair from rdna4_comm.quantize_fp8"
+                                : "",
+                     ", got ", dtype_name(x.scalar_type()));
+  }
+  check_contiguous(op, "x", x);
   const auto it = topk_idx.scalar_type();
   TORCH_CHECK_TYPE(it == at::kInt || it == at::kLong, op, ": topk_idx must be torch.int32 or torch.int64, got ",
                    dtype_name(it));
-  check_routing("topk_idx", topk_idx);
+  check_per_token("topk_idx", topk_idx, cfg_.topk, "topk");
   c10::optional<at::ScalarType> wt;
   if (topk_weights.has_value()) {
     wt = topk_weights->scalar_type();
     TORCH_CHECK_TYPE(*wt == at::kFloat || *wt == at::kBFloat16 || *wt == at::kHalf, op,
                      ": topk_weights must be torch.float32, torch.bfloat16 or torch.float16, got ", dtype_name(*wt));
-    check_routing("topk_weights", *topk_weights);
+    check_per_token("topk_weights", *topk_weights, cfg_.topk, "topk");
   }
   Dispatched out = allocate_dispatched(T, it, wt);
   // The transports take [T, H] and [T, K]; a view is an op call of its own
   // (a quarter of the host time of an eager dispatch), so flat inputs pass as they are.
   auto flat = [T](const at::Tensor& t, int64_t cols) { return t.dim() == 2 ? t : t.view({T, cols}); };
-  c10::optional<at::Tensor> weights;
+  c10::optional<at::Tensor> weights, scales;
   if (topk_weights.has_value()) weights = flat(*topk_weights, cfg_.topk);
-  dispatch_impl(flat(x, cfg_.hidden), flat(topk_idx, cfg_.topk), weights, out);
+  if (x_scales.has_value()) scales = flat(*x_scales, cfg_.fp8_scales);
+  dispatch_impl(flat(x, cfg_.hidden), scales, flat(topk_idx, cfg_.topk), weights, out);
   return out;
 }
 

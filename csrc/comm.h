@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "fp8.h"
 #include "layout.h"
 
 namespace rdna4_comm {
@@ -32,12 +33,16 @@ struct CommConfig : HeapConfig {
   std::string group_name;  // dist: the torch.distributed group the ops run on (c10d::resolve_process_group)
   int rank = 0;
   at::ScalarType dtype = at::kBFloat16;  // EP payload; `elt` follows it
+  // Dispatch's rows: Undefined, in dtype; kFloat8_e4m3fn, in FP8 with fp32
+  // scales per kFp8Block channels (fp8.h; `fp8_scales` follows it).
+  at::ScalarType dispatch_dtype = at::ScalarType::Undefined;
   int64_t timeout_ms = 0;
   int device_index = -1;  // GPU transport: the CUDA/HIP device of this rank
   int64_t expert_alignment = 1;  // expert layout: each expert's block of rows starts at a multiple of this
   int64_t max_expert_rows = 0;   // expert layout: rows of its x; 0 for the worst case (expert_rows())
 
   bool has_ep() const { return cap > 0; }
+  bool fp8() const { return dispatch_dtype == at::kFloat8_e4m3fn; }
   int64_t experts_per_rank() const { return num_experts / world; }
   // Rows of the expert layout's x: max_expert_rows, or the most a dispatch
   // can need: every received row (W*cap) in min(K, E_loc) experts, plus the
@@ -86,13 +91,14 @@ bool process_alive(const PeerProcess& p);
 // unspecified (never written: a decode step must not pay for the capacity);
 // the routing of those rows is -1 ids and 0 weights.
 struct Dispatched {
-  at::Tensor x;           // [W*cap, H] dtype
+  at::Tensor x;           // [W*cap, H] dtype, or FP8 (an FP8 communicator)
   at::Tensor topk_idx;    // [W*cap, K] the ids' dtype (int32 or int64), local expert id or -1
   at::Tensor topk_weights;  // [W*cap, K] the weights' dtype (fp32, bf16 or fp16), or [0, K] without weights
   at::Tensor counts;      // [W] int32 rows received per source
   at::Tensor recv_src;    // [W*cap] int32: source rank * cap + source token, -1 for padding
   at::Tensor src_tokens;  // [W] int32: T of each source rank
   at::Tensor send_mask;   // [T] int32: bit d set when the token was sent to rank d
+  at::Tensor x_scales;    // FP8: [W*cap, fp8_num_scales(H)] fp32, x's scales; else undefined
 };
 
 // An EP op's output: its shape, kTokenDim standing for the caller's token
@@ -123,6 +129,7 @@ struct ExpertDispatched {
   at::Tensor topk_weights;    // [expert_rows] the weights' dtype, or [0]
   at::Tensor recv_src, counts, src_tokens, send_mask;  // the rank layout's handle
   at::Tensor expert_rows_of;  // [W*cap, K] int32: a received row's expert rows, ascending expert, then -1
+  at::Tensor x_scales;        // FP8: [expert_rows, fp8_num_scales(H)] fp32; else undefined
 };
 constexpr int kExpertDispatchOutputs = 9;
 
@@ -182,17 +189,22 @@ class Comm {
   at::Tensor empty_output(const OutputSpec& spec, int64_t ntok) const;
   std::array<OutputSpec, kExpertDispatchOutputs> dispatch_expert_outputs(
       c10::optional<at::ScalarType> weights_dtype) const;
+  // An FP8 dispatch's x_scales, after the other outputs (rows: W*cap, or
+  // expert_rows for the expert layout).
+  OutputSpec dispatch_scales_output(bool expert_layout) const;
 
   at::Tensor all_reduce(const at::Tensor& x);
-  Dispatched dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
+  // x_scales: an FP8 communicator's pre-quantised input (x is then the FP8
+  // q); none: x in dtype, quantised here when the communicator is FP8.
+  Dispatched dispatch(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales, const at::Tensor& topk_idx,
                       const c10::optional<at::Tensor>& topk_weights);
   at::Tensor combine(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
                      const at::Tensor& src_tokens, const at::Tensor& send_mask);
   // The expert layout: dispatch, then its rows grouped by local expert; and
   // combine of an expert-layout result (each received row's expert rows
   // summed in ascending expert order first).
-  ExpertDispatched dispatch_expert(const at::Tensor& x, const at::Tensor& topk_idx,
-                                   const c10::optional<at::Tensor>& topk_weights);
+  ExpertDispatched dispatch_expert(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales,
+                                   const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights);
   at::Tensor combine_expert(const at::Tensor& y, const at::Tensor& expert_rows_of, const at::Tensor& recv_src,
                             const at::Tensor& counts, const at::Tensor& src_tokens, const at::Tensor& send_mask);
   // Runs the first `most` deferred checks (defer_check) whose values have
@@ -223,9 +235,12 @@ class Comm {
   virtual void rmsnorm_local(const RmsNormRows& c) = 0;
   // x [T, H], topk_idx [T, K] and topk_weights [T, K] in the caller's
   // dtypes; each transport writes `out` in those dtypes (the heap carries
-  // weights as fp32, exact for bf16 and fp16).
-  virtual void dispatch_impl(const at::Tensor& x, const at::Tensor& topk_idx,
-                             const c10::optional<at::Tensor>& topk_weights, Dispatched& out) = 0;
+  // weights as fp32, exact for bf16 and fp16). An FP8 communicator's x is
+  // in dtype (the transport quantises it, fp8.h) or, with x_scales [T,
+  // fp8_scales], FP8 already; out.x and out.x_scales receive the bytes sent.
+  virtual void dispatch_impl(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales,
+                             const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights,
+                             Dispatched& out) = 0;
   virtual void combine_impl(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
                             const at::Tensor& src_tokens, const at::Tensor& send_mask,
                             at::Tensor& out) = 0;

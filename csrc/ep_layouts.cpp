@@ -12,7 +12,7 @@ namespace rdna4_comm {
 std::array<OutputSpec, kDispatchOutputs> Comm::dispatch_outputs(at::ScalarType idx_dtype,
                                                                 c10::optional<at::ScalarType> weights_dtype) const {
   const int64_t rows = int64_t(cfg_.world) * cfg_.cap, K = cfg_.topk;
-  return {{{{rows, cfg_.hidden}, 2, cfg_.dtype},
+  return {{{{rows, cfg_.hidden}, 2, cfg_.fp8() ? cfg_.dispatch_dtype : cfg_.dtype},
            {{rows, K}, 2, idx_dtype},
            {{weights_dtype ? rows : 0, K}, 2, weights_dtype.value_or(at::kFloat)},
            {{cfg_.world, 0}, 1, at::kInt},
@@ -35,13 +35,19 @@ Dispatched Comm::allocate_dispatched(int64_t ntok, at::ScalarType idx_dtype,
   at::Tensor* fields[kDispatchOutputs] = {&d.x, &d.topk_idx, &d.topk_weights, &d.counts,
                                           &d.recv_src, &d.src_tokens, &d.send_mask};
   for (int i = 0; i < kDispatchOutputs; ++i) *fields[i] = empty_output(specs[i], ntok);
+  if (cfg_.fp8()) d.x_scales = empty_output(dispatch_scales_output(false), ntok);
   return d;
+}
+
+OutputSpec Comm::dispatch_scales_output(bool expert_layout) const {
+  const int64_t rows = expert_layout ? cfg_.expert_rows() : int64_t(cfg_.world) * cfg_.cap;
+  return {{rows, cfg_.fp8_scales}, 2, at::kFloat};
 }
 
 std::array<OutputSpec, kExpertDispatchOutputs> Comm::dispatch_expert_outputs(
     c10::optional<at::ScalarType> weights_dtype) const {
   const int64_t rows = int64_t(cfg_.world) * cfg_.cap, E = cfg_.experts_per_rank(), n = cfg_.expert_rows();
-  return {{{{n, cfg_.hidden}, 2, cfg_.dtype},
+  return {{{{n, cfg_.hidden}, 2, cfg_.fp8() ? cfg_.dispatch_dtype : cfg_.dtype},
            {{E, 0}, 1, at::kInt},
            {{E + 1, 0}, 1, at::kInt},
            {{weights_dtype ? n : 0, 0}, 1, weights_dtype.value_or(at::kFloat)},
@@ -58,9 +64,9 @@ std::array<OutputSpec, kExpertDispatchOutputs> Comm::dispatch_expert_outputs(
 // e; it carries the pair's destination, the pair's weight (the fp32 sum of
 // the row's weights for e, in slot order from the first, rounded once) and,
 // through it, the combine's map from rows back to expert rows.
-ExpertDispatched Comm::dispatch_expert(const at::Tensor& x, const at::Tensor& topk_idx,
-                                       const c10::optional<at::Tensor>& topk_weights) {
-  Dispatched d = dispatch(x, topk_idx, topk_weights);
+ExpertDispatched Comm::dispatch_expert(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales,
+                                       const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights) {
+  Dispatched d = dispatch(x, x_scales, topk_idx, topk_weights);
   const int64_t E = cfg_.experts_per_rank(), K = cfg_.topk, A = cfg_.expert_alignment, n = cfg_.expert_rows();
   const at::Tensor ids = d.topk_idx.to(at::kLong);  // [R, K]: local ids, -1 where the expert is elsewhere
   const int64_t R = ids.size(0);
@@ -96,8 +102,12 @@ ExpertDispatched Comm::dispatch_expert(const at::Tensor& x, const at::Tensor& to
   at::Tensor source = at::full({n + 1}, -1, ids.options());
   source.scatter_(0, to, at::arange(R, ids.options()).view({R, 1}).expand({R, K}).reshape(-1));
   source = source.narrow(0, 0, n);
-  // Rows without a pair (alignment padding, the tail) are zeros.
-  out.x = at::where((source >= 0).unsqueeze(1), d.x.index_select(0, source.clamp_min(0)), 0);
+  // Rows without a pair (alignment padding, the tail) are zeros, scales too.
+  // FP8 rows move as their bytes.
+  const at::Tensor paired = (source >= 0).unsqueeze(1), at_source = source.clamp_min(0);
+  auto expert_rows = [&](const at::Tensor& rows) { return at::where(paired, rows.index_select(0, at_source), 0); };
+  out.x = cfg_.fp8() ? expert_rows(d.x.view(at::kByte)).view(cfg_.dispatch_dtype) : expert_rows(d.x);
+  if (cfg_.fp8()) out.x_scales = expert_rows(d.x_scales);
   out.expert_counts = counts.to(at::kInt);
   out.expert_offsets = offsets.to(at::kInt);
   if (topk_weights.has_value()) {

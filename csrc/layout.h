@@ -16,6 +16,7 @@ struct HeapConfig {
   int64_t num_experts = 0;
   int64_t elt = 0;          // bytes per element of the EP dtype
   int64_t ar_slot_bytes = 0;
+  int64_t fp8_scales = 0;   // FP8 dispatch: scales per token (fp8_num_scales); 0: rows travel in the EP dtype
 };
 
 // Byte offsets of every region. Signals (counters and flags) and data are
@@ -26,9 +27,11 @@ struct HeapConfig {
 // finished reading op g - 1. So nobody overwrites a buffer a peer still reads.
 struct Layout {
   int world = 1;
-  int64_t cap = 0, hidden = 0, topk = 0, elt = 0, ar_slot_bytes = 0, max_chunks = 1;
-  size_t payload_stride = 0;  // bytes of one hidden row, 16-byte aligned
-  size_t row_stride = 0;      // dispatch row: payload, topk ids, weights, source token
+  int64_t cap = 0, hidden = 0, topk = 0, elt = 0, ar_slot_bytes = 0, max_chunks = 1, fp8_scales = 0;
+  size_t payload_stride = 0;    // bytes of one hidden row in the EP dtype (combine's rows), 16-byte aligned
+  size_t dispatch_payload = 0;  // a dispatch row's payload: payload_stride, or FP8's q bytes then its scales
+  size_t scales_offset = 0;     // FP8: where a dispatch row's fp32 scales start, 16-byte aligned
+  size_t row_stride = 0;        // dispatch row: payload, topk ids, weights, source token
 
   size_t counters = 0;         // [kNumOps][kMaxLaunchBlocks] own generation counters, one per GPU block
   size_t ar_flags = 0;         // [2][2 phases][W][kMaxAllReduceBlocks] u64
@@ -87,14 +90,16 @@ struct Layout {
   }
   RC_HD char* probe_buf(char* data, int src) const { return data + probe + size_t(src) * kProbeBytes; }
 
-  // Dispatch row: [payload][topk local ids, int32][topk weights, fp32][source token, int32].
-  RC_HD int32_t* row_ids(char* row) const { return reinterpret_cast<int32_t*>(row + payload_stride); }
+  // Dispatch row: [payload][topk local ids, int32][topk weights, fp32][source token, int32];
+  // an FP8 payload is [hidden fp8 bytes][fp8_scales fp32 scales at scales_offset].
+  RC_HD int32_t* row_ids(char* row) const { return reinterpret_cast<int32_t*>(row + dispatch_payload); }
   RC_HD float* row_weights(char* row) const {
-    return reinterpret_cast<float*>(row + payload_stride + size_t(topk) * 4);
+    return reinterpret_cast<float*>(row + dispatch_payload + size_t(topk) * 4);
   }
   RC_HD int32_t* row_token(char* row) const {
-    return reinterpret_cast<int32_t*>(row + payload_stride + size_t(topk) * 8);
+    return reinterpret_cast<int32_t*>(row + dispatch_payload + size_t(topk) * 8);
   }
+  RC_HD float* row_scales(char* row) const { return reinterpret_cast<float*>(row + scales_offset); }
 };
 
 inline Layout make_layout(const HeapConfig& c) {
@@ -106,8 +111,11 @@ inline Layout make_layout(const HeapConfig& c) {
   l.elt = c.elt;
   l.ar_slot_bytes = int64_t(align_up(size_t(c.ar_slot_bytes), kAlign));
   l.max_chunks = ep_max_chunks(c.cap);
+  l.fp8_scales = c.fp8_scales;
   l.payload_stride = align_up(size_t(c.hidden * c.elt), 16);
-  l.row_stride = align_up(l.payload_stride + size_t(c.topk) * 8 + 4, 16);
+  l.scales_offset = align_up(size_t(c.hidden), 16);
+  l.dispatch_payload = c.fp8_scales > 0 ? align_up(l.scales_offset + size_t(c.fp8_scales) * 4, 16) : l.payload_stride;
+  l.row_stride = align_up(l.dispatch_payload + size_t(c.topk) * 8 + 4, 16);
   const size_t W = size_t(c.world);
 
   size_t off = 0;

@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "comm.h"
+#include "cpu/cpu_arith.h"
 
 namespace rdna4_comm {
 namespace {
@@ -38,23 +39,62 @@ at::Tensor all_reduce_op(const at::Tensor& x, at::Tensor& order, c10::string_vie
   return after_earlier_checks(c, [&] { return c->all_reduce(x); });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-dispatch_op(const at::Tensor& x, const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights,
-            at::Tensor& order, c10::string_view comm) {
+// The dispatch ops of a communicator: dispatch and dispatch_expert carry
+// rows in its dtype; dispatch_fp8 and dispatch_expert_fp8 take an FP8
+// communicator's optional pre-quantised scales and return x_scales last.
+template <typename Op>
+auto run_dispatch(c10::string_view comm, const at::Tensor& order, bool fp8, Op op) {
   auto c = find_comm(std::string(comm));
   check_order_token("dispatch", order, c->device());
-  Dispatched d = after_earlier_checks(c, [&] { return c->dispatch(x, topk_idx, topk_weights); });
-  return {d.x, d.topk_idx, d.topk_weights, d.counts, d.recv_src, d.src_tokens, d.send_mask};
+  TORCH_CHECK_VALUE(c->config().fp8() == fp8, "dispatch: communicator '", c->config().id,
+                    fp8 ? "' does not dispatch in FP8 (made without dispatch_dtype): call rdna4_comm::dispatch"
+                        : "' dispatches in FP8: call rdna4_comm::dispatch_fp8, which returns x_scales too");
+  return after_earlier_checks(c, [&] { return op(*c); });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-dispatch_expert_op(const at::Tensor& x, const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights,
-                   at::Tensor& order, c10::string_view comm) {
-  auto c = find_comm(std::string(comm));
-  check_order_token("dispatch", order, c->device());
-  ExpertDispatched d = after_earlier_checks(c, [&] { return c->dispatch_expert(x, topk_idx, topk_weights); });
+using RankTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using ExpertTuple =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+RankTuple fields(const Dispatched& d) {
+  return {d.x, d.topk_idx, d.topk_weights, d.counts, d.recv_src, d.src_tokens, d.send_mask};
+}
+ExpertTuple fields(const ExpertDispatched& d) {
   return {d.x, d.expert_counts, d.expert_offsets, d.topk_weights, d.recv_src, d.counts, d.src_tokens, d.send_mask,
           d.expert_rows_of};
+}
+
+RankTuple dispatch_op(const at::Tensor& x, const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights,
+                      at::Tensor& order, c10::string_view comm) {
+  return fields(run_dispatch(comm, order, false, [&](Comm& c) { return c.dispatch(x, {}, topk_idx, topk_weights); }));
+}
+
+ExpertTuple dispatch_expert_op(const at::Tensor& x, const at::Tensor& topk_idx,
+                               const c10::optional<at::Tensor>& topk_weights, at::Tensor& order,
+                               c10::string_view comm) {
+  return fields(
+      run_dispatch(comm, order, false, [&](Comm& c) { return c.dispatch_expert(x, {}, topk_idx, topk_weights); }));
+}
+
+template <typename Result>
+auto with_scales(const Result& d) {
+  return std::tuple_cat(fields(d), std::make_tuple(d.x_scales));
+}
+
+decltype(with_scales(Dispatched{})) dispatch_fp8_op(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales,
+                                                    const at::Tensor& topk_idx,
+                                                    const c10::optional<at::Tensor>& topk_weights, at::Tensor& order,
+                                                    c10::string_view comm) {
+  return with_scales(
+      run_dispatch(comm, order, true, [&](Comm& c) { return c.dispatch(x, x_scales, topk_idx, topk_weights); }));
+}
+
+decltype(with_scales(ExpertDispatched{})) dispatch_expert_fp8_op(const at::Tensor& x,
+                                                                 const c10::optional<at::Tensor>& x_scales,
+                                                                 const at::Tensor& topk_idx,
+                                                                 const c10::optional<at::Tensor>& topk_weights,
+                                                                 at::Tensor& order, c10::string_view comm) {
+  return with_scales(run_dispatch(
+      comm, order, true, [&](Comm& c) { return c.dispatch_expert(x, x_scales, topk_idx, topk_weights); }));
 }
 
 at::Tensor combine_expert_op(const at::Tensor& y, const at::Tensor& expert_rows_of, const at::Tensor& recv_src,
@@ -134,12 +174,21 @@ TORCH_LIBRARY(rdna4_comm, m) {
       "(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor counts, Tensor recv_src, "
       "Tensor src_tokens, Tensor send_mask)");
   m.def(
+      "dispatch_fp8(Tensor x, Tensor? x_scales, Tensor topk_idx, Tensor? topk_weights, Tensor(a!) order, "
+      "str comm) -> (Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor counts, Tensor recv_src, "
+      "Tensor src_tokens, Tensor send_mask, Tensor x_scales)");
+  m.def(
       "combine(Tensor y, Tensor recv_src, Tensor counts, Tensor src_tokens, Tensor send_mask, "
       "Tensor(a!) order, str comm) -> Tensor");
   m.def(
       "dispatch_expert(Tensor x, Tensor topk_idx, Tensor? topk_weights, Tensor(a!) order, str comm) -> "
       "(Tensor x, Tensor expert_counts, Tensor expert_offsets, Tensor topk_weights, Tensor recv_src, "
       "Tensor counts, Tensor src_tokens, Tensor send_mask, Tensor expert_rows_of)");
+  m.def(
+      "dispatch_expert_fp8(Tensor x, Tensor? x_scales, Tensor topk_idx, Tensor? topk_weights, Tensor(a!) order, "
+      "str comm) -> (Tensor x, Tensor expert_counts, Tensor expert_offsets, Tensor topk_weights, "
+      "Tensor recv_src, Tensor counts, Tensor src_tokens, Tensor send_mask, Tensor expert_rows_of, "
+      "Tensor x_scales)");
   m.def(
       "combine_expert(Tensor y, Tensor expert_rows_of, Tensor recv_src, Tensor counts, Tensor src_tokens, "
       "Tensor send_mask, Tensor(a!) order, str comm) -> Tensor");
@@ -154,8 +203,10 @@ namespace {
 void impl_ops(torch::Library& m) {
   m.impl("all_reduce", &all_reduce_op);
   m.impl("dispatch", &dispatch_op);
+  m.impl("dispatch_fp8", &dispatch_fp8_op);
   m.impl("combine", &combine_op);
   m.impl("dispatch_expert", &dispatch_expert_op);
+  m.impl("dispatch_expert_fp8", &dispatch_expert_fp8_op);
   m.impl("combine_expert", &combine_expert_op);
   m.impl("all_reduce_rmsnorm", &all_reduce_rmsnorm_op);
 }
@@ -179,7 +230,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](std::string id, std::string transport, std::string group_name, int rank, int world,
                        int64_t cap, int64_t hidden, int64_t topk, int64_t num_experts, at::ScalarType dtype,
                        int64_t ar_slot_bytes, int64_t timeout_ms, int device_index, int64_t expert_alignment,
-                       int64_t max_expert_rows) {
+                       int64_t max_expert_rows, c10::optional<at::ScalarType> dispatch_dtype) {
+             TORCH_CHECK_VALUE(!dispatch_dtype || *dispatch_dtype == at::kFloat8_e4m3fn,
+                               "Communicator: dispatch_dtype must be None or torch.float8_e4m3fn, got ",
+                               dtype_name(*dispatch_dtype));
              CommConfig c;
              c.id = std::move(id);
              c.transport = std::move(transport);
@@ -196,12 +250,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              c.device_index = device_index;
              c.expert_alignment = expert_alignment;
              c.max_expert_rows = max_expert_rows;
+             c.dispatch_dtype = dispatch_dtype.value_or(at::ScalarType::Undefined);
              return c;
            }),
            py::kw_only(), py::arg("id"), py::arg("transport"), py::arg("group_name"), py::arg("rank"),
            py::arg("world"), py::arg("cap"), py::arg("hidden"), py::arg("topk"), py::arg("num_experts"),
            py::arg("dtype"), py::arg("ar_slot_bytes"), py::arg("timeout_ms"), py::arg("device_index"),
-           py::arg("expert_alignment") = 1, py::arg("max_expert_rows") = 0)
+           py::arg("expert_alignment") = 1, py::arg("max_expert_rows") = 0, py::arg("dispatch_dtype") = py::none())
       .def_readonly("id", &CommConfig::id)
       .def_readonly("transport", &CommConfig::transport)
       .def_readonly("group_name", &CommConfig::group_name)
@@ -216,6 +271,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("timeout_ms", &CommConfig::timeout_ms)
       .def_readonly("device_index", &CommConfig::device_index)
       .def_readonly("expert_alignment", &CommConfig::expert_alignment)
+      .def_property_readonly("dispatch_dtype", [](const CommConfig& c) -> c10::optional<at::ScalarType> {
+        if (c.fp8()) return c.dispatch_dtype;
+        return c10::nullopt;
+      })
       .def_readonly("max_expert_rows", &CommConfig::max_expert_rows)
       .def_property_readonly("expert_rows", &CommConfig::expert_rows);
   m.def("create", &create, py::arg("config"), "Create this rank's communicator and heap; returns its export handle");
@@ -249,6 +308,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     const auto specs = find_comm(id)->dispatch_expert_outputs(weights_dtype);
     return specs_to_py(specs.data(), kExpertDispatchOutputs);
   }, py::arg("id"), py::arg("weights_dtype"), "dispatch_expert's outputs, in order: [(shape, dtype)]");
+  m.def("dispatch_scales_output", [specs_to_py](const std::string& id, bool expert_layout) {
+    const OutputSpec spec = find_comm(id)->dispatch_scales_output(expert_layout);
+    return py::object(specs_to_py(&spec, 1)[0]);
+  }, py::arg("id"), py::arg("expert_layout"), "an FP8 dispatch's x_scales: (shape, dtype)");
   m.def("combine_output", [specs_to_py](const std::string& id) {
     const OutputSpec spec = find_comm(id)->combine_output();
     return py::object(specs_to_py(&spec, 1)[0]);
@@ -296,6 +359,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_grid("combine_grid", &combine_grid);
   testing.def("allreduce_blocks", &allreduce_blocks, py::arg("share_bytes"), py::arg("sm_count"));
   // (signal bytes, data bytes) of the heap layout of a configuration.
+  // The FP8 rule of fp8.h (what the CPU transport and the kernels run), on
+  // CPU tensors: the conversion alone, and whole rows.
+  testing.def("fp8_e4m3fn_bits", [](const at::Tensor& f) {
+    TORCH_CHECK_VALUE(f.scalar_type() == at::kFloat && f.device().is_cpu(), "fp8_e4m3fn_bits: a CPU float32 tensor");
+    const at::Tensor in = f.contiguous();
+    at::Tensor out = at::empty(in.sizes(), in.options().dtype(at::kByte));
+    const float* p = in.data_ptr<float>();
+    uint8_t* o = out.data_ptr<uint8_t>();
+    for (int64_t i = 0; i < in.numel(); ++i) o[i] = fp8_e4m3fn_bits(p[i]);
+    return out;
+  }, py::arg("f"));
+  testing.def("quantize_fp8_rows", [](const at::Tensor& x) {
+    TORCH_CHECK_VALUE(x.dim() == 2 && x.device().is_cpu(), "quantize_fp8_rows: a CPU [T, H] tensor");
+    const at::Tensor in = x.contiguous();
+    const int64_t T = in.size(0), H = in.size(1), S = fp8_num_scales(H);
+    at::Tensor q = at::empty({T, H}, in.options().dtype(at::kByte));
+    at::Tensor scales = at::empty({T, S}, in.options().dtype(at::kFloat));
+    const char* p = static_cast<const char*>(in.data_ptr());
+    for (int64_t t = 0; t < T; ++t)
+      cpu::quantize_fp8_row(in.scalar_type(), p + t * H * in.element_size(), H,
+                            static_cast<char*>(q.data_ptr()) + t * H, scales.data_ptr<float>() + t * S);
+    return std::make_pair(q.view(at::kFloat8_e4m3fn), scales);
+  }, py::arg("x"));
   testing.def("heap_bytes", [](int world, int64_t cap, int64_t hidden, int64_t topk, int64_t elt, int64_t slot_bytes) {
     HeapConfig c;
     c.world = world;

@@ -71,8 +71,8 @@ def received_rows(d) -> torch.Tensor:
 
 def assert_dispatched(actual, expected, what: str = "", cols: Optional[int] = None) -> None:
     """Every field of a Dispatched and of its handle bitwise equal to the
-    expected one (e.g. from rdna4_comm.reference.dispatch), the payload on its
-    received rows (padding rows of ``x`` are unspecified; their routing is
+    expected one (e.g. from rdna4_comm.reference.dispatch), the payload (and
+    an FP8 dispatch's scales) on its received rows (padding rows of ``x`` are unspecified; their routing is
     compared: -1 ids, 0 weights). With ``cols``, the expected rows hold only
     the first ``cols`` columns of the payload, and only those columns of
     ``actual.x`` are compared."""
@@ -81,6 +81,9 @@ def assert_dispatched(actual, expected, what: str = "", cols: Optional[int] = No
     x, want = received_rows(actual), received_rows(expected)
     x, part = (x, "") if cols is None else (x[:, :cols], f"[:, :{cols}]")
     assert_same(x, want, f"{what} x[:num_recv]{part}")
+    assert (actual.x_scales is None) == (expected.x_scales is None), f"{what}: x_scales of FP8 dispatch only"
+    if expected.x_scales is not None:
+        assert_same(actual.x_scales[: want.shape[0]], expected.x_scales[: want.shape[0]], f"{what} x_scales[:num_recv]")
     assert_same(actual.topk_idx, expected.topk_idx, f"{what} topk_idx")
     if expected.topk_weights is None:
         assert actual.topk_weights is None, f"{what}: weights returned without weights given"

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from . import _C
 from ._rendezvous import Rendezvous
+from .fp8 import FP8_DTYPE
 from .results import DispatchHandle, Dispatched, ExpertDispatched
 from .transport_policy import RankReport, TransportChoice, choose_transport, host_identity, rank_report, shared_gpus_allowed
 from .ops import order_token
@@ -36,7 +37,8 @@ _ids = itertools.count()
 # eager combine of no tokens costs on the CPU transport of a 2-core machine).
 _OPS = torch.ops.rdna4_comm
 _EAGER = {name: getattr(_OPS, name).default.op
-          for name in ("all_reduce", "all_reduce_rmsnorm", "dispatch", "combine", "dispatch_expert", "combine_expert")}
+          for name in ("all_reduce", "all_reduce_rmsnorm", "dispatch", "combine", "dispatch_expert", "combine_expert",
+                       "dispatch_fp8", "dispatch_expert_fp8")}
 LAYOUTS = ("rank", "expert")
 
 
@@ -104,7 +106,12 @@ class Communicator:
             default the most a dispatch can need, ``W*cap*min(K, E/W) +
             (E/W)*(expert_alignment - 1)``. A dispatch that needs more keeps
             the rows that fit, writes nothing out of bounds and raises
-            ValueError at the next call or :meth:`check`.
+            ValueError at a later call (on a GPU, once the device has
+            computed the rows) or at :meth:`check`.
+        dispatch_dtype: None (dispatch carries ``dtype``) or
+            torch.float8_e4m3fn: dispatch carries FP8 rows with an fp32 scale
+            per 128 channels (:func:`rdna4_comm.quantize_fp8`), about half
+            the bytes; combine stays in ``dtype``.
 
     Heap size per rank: about ``4 * W * allreduce_slot_bytes`` plus, with EP
     fields, ``2 * W * cap * (2*H*elt + 8*K + 4)`` bytes.
@@ -133,6 +140,7 @@ class Communicator:
         timeout_ms: Optional[int] = None,
         expert_alignment: int = 1,
         max_expert_rows: Optional[int] = None,
+        dispatch_dtype: Optional[torch.dtype] = None,
     ):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -172,6 +180,9 @@ class Communicator:
         expert_alignment = _positive_int("expert_alignment", expert_alignment)
         if max_expert_rows is not None:
             max_expert_rows = _positive_int("max_expert_rows", max_expert_rows)
+        if dispatch_dtype not in (None, FP8_DTYPE):
+            raise TypeError(f"Communicator: dispatch_dtype must be None or {FP8_DTYPE}, got {dispatch_dtype!r}")
+        self._fp8 = dispatch_dtype is not None  # read on every dispatch: a plain attribute
         if timeout_ms is None:
             env = os.environ.get("RDNA4_COMM_TIMEOUT_MS", str(DEFAULT_TIMEOUT_MS))
             try:
@@ -210,7 +221,8 @@ class Communicator:
 
         settings = dict(rank=self.rank, world=self.world_size, cap=cap, hidden=hidden, topk=topk,
                         num_experts=num_experts, dtype=dtype, timeout_ms=timeout_ms,
-                        expert_alignment=expert_alignment, max_expert_rows=max_expert_rows or 0)
+                        expert_alignment=expert_alignment, max_expert_rows=max_expert_rows or 0,
+                        dispatch_dtype=dispatch_dtype)
         # "dist" runs on the GPUs when every rank has one, else on the CPU.
         on_gpu = all(rep.gpu is not None for rep in reports) and choice.transport != "cpu"
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
@@ -289,6 +301,8 @@ class Communicator:
     expert_alignment = property(lambda self: self._config.expert_alignment,
                                 doc="Row alignment of each expert's block in the expert layout.")
     expert_rows = property(lambda self: self._config.expert_rows, doc="Rows of the expert layout's ``x``.")
+    dispatch_dtype = property(lambda self: self._config.dispatch_dtype,
+                              doc="torch.float8_e4m3fn for FP8 dispatch, else None.")
 
     @property
     def num_local_experts(self) -> int:
@@ -357,7 +371,7 @@ class Communicator:
         return _C.rmsnorm_path_counts(self.id)
 
     def dispatch(
-        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor] = None, *,
+        self, x, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor] = None, *,
         layout: str = "rank",
     ):
         """Send every token to the ranks that own its experts. Collective.
@@ -366,7 +380,11 @@ class Communicator:
             x: [..., H] of the communicator dtype, contiguous: its leading
                 dimensions are the tokens (e.g. [T, H] or [B, S, H]), at most
                 ``cap`` of them. The token count may differ between ranks and
-                may be 0.
+                may be 0. An FP8 communicator (``dispatch_dtype``) quantises
+                it inside the op, bitwise as :func:`rdna4_comm.quantize_fp8`
+                does, or takes the pair ``(q, scales)`` that function returns:
+                q [..., H] torch.float8_e4m3fn and scales [..., ceil(H / 128)]
+                torch.float32 (or [T, ...]), contiguous; they travel as given.
             topk_idx: torch.int32 or torch.int64 global expert ids of shape
                 ``x.shape[:-1] + (K,)`` or [T, K]. Ids < 0 or >= num_experts are
                 dropped (the slot routes nowhere).
@@ -381,22 +399,43 @@ class Communicator:
             ``"expert"``: :class:`ExpertDispatched`, the same rows grouped by
             local expert: one row per (token, local expert) pair, with
             per-expert counts and offsets on the device.
+            FP8 dispatch: ``x`` is torch.float8_e4m3fn and ``x_scales`` holds
+            its scales, the bytes that were sent.
         """
         # The C++ op checks everything else, EP fields included.
         self._check_open()
+        x_scales = None
+        if not isinstance(x, torch.Tensor):
+            x, x_scales = self._fp8_pair(x)
+        tokens = x.shape[:-1]
+        fp8 = self._fp8
         if layout == "expert":
-            rx, ecounts, eoffsets, rw, recv_src, counts, src_tokens, send_mask, rows_of = _op("dispatch_expert")(
-                x, topk_idx, topk_weights, self._order, self.id
-            )
-            handle = DispatchHandle(recv_src, counts, src_tokens, send_mask, self.id, x.shape[:-1], rows_of)
-            return ExpertDispatched(rx, ecounts, eoffsets, rw if topk_weights is not None else None, handle)
+            if fp8:
+                *out, scales = _op("dispatch_expert_fp8")(x, x_scales, topk_idx, topk_weights, self._order, self.id)
+            else:
+                out, scales = _op("dispatch_expert")(x, topk_idx, topk_weights, self._order, self.id), None
+            rx, ecounts, eoffsets, rw, recv_src, counts, src_tokens, send_mask, rows_of = out
+            handle = DispatchHandle(recv_src, counts, src_tokens, send_mask, self.id, tokens, rows_of)
+            return ExpertDispatched(rx, ecounts, eoffsets, rw if topk_weights is not None else None, handle, scales)
         if layout != "rank":
             raise ValueError(f"dispatch: layout must be one of {LAYOUTS}, got {layout!r}")
-        rx, ridx, rw, counts, recv_src, src_tokens, send_mask = _op("dispatch")(
-            x, topk_idx, topk_weights, self._order, self.id
-        )
-        handle = DispatchHandle(recv_src, counts, src_tokens, send_mask, self.id, x.shape[:-1])
-        return Dispatched(rx, ridx, rw if topk_weights is not None else None, counts, handle)
+        if fp8:
+            *out, scales = _op("dispatch_fp8")(x, x_scales, topk_idx, topk_weights, self._order, self.id)
+        else:
+            out, scales = _op("dispatch")(x, topk_idx, topk_weights, self._order, self.id), None
+        rx, ridx, rw, counts, recv_src, src_tokens, send_mask = out
+        handle = DispatchHandle(recv_src, counts, src_tokens, send_mask, self.id, tokens)
+        return Dispatched(rx, ridx, rw if topk_weights is not None else None, counts, handle, scales)
+
+    def _fp8_pair(self, pair) -> tuple:
+        """dispatch's x when it is not a tensor: a (q, scales) pair for an FP8 communicator."""
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            got = f"a sequence of {len(pair)}" if isinstance(pair, (tuple, list)) else type(pair).__name__
+            raise TypeError(f"dispatch: x must be a tensor or a (q, scales) pair from rdna4_comm.quantize_fp8, got {got}")
+        if not self._fp8:
+            raise ValueError(f"dispatch: a (q, scales) pair needs a communicator made with "
+                             f"dispatch_dtype={FP8_DTYPE}; this one dispatches {self.dtype}")
+        return tuple(pair)
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Return expert results to the tokens' source ranks and sum them. Collective.

@@ -1,5 +1,5 @@
 """torch.ops.rdna4_comm.*: fake (meta) implementations, which ask the C++
-communicator (rdna4_comm._C.dispatch_outputs, combine_output) for their shapes, and the ordering
+communicator (rdna4_comm._C.dispatch_outputs, dispatch_scales_output, combine_output) for their shapes, and the ordering
 token every op takes.
 
 The schemas and the real CPU/CUDA implementations are registered by the C++
@@ -96,6 +96,22 @@ def _dispatch_expert_fake(x, topk_idx, topk_weights, order, comm):
     tokens = math.prod(x.shape[:-1])
     specs = _C.dispatch_expert_outputs(comm, topk_weights.dtype if topk_weights is not None else None)
     return tuple(_new_output(x, spec, tokens) for spec in specs)
+
+
+@torch.library.register_fake("rdna4_comm::dispatch_fp8")
+def _dispatch_fp8_fake(x, x_scales, topk_idx, topk_weights, order, comm):
+    _check_devices(comm, "dispatch", x=x, x_scales=x_scales, topk_idx=topk_idx, topk_weights=topk_weights,
+                   order=order)
+    return (*_dispatch_fake(x, topk_idx, topk_weights, order, comm),
+            _new_output(x, _C.dispatch_scales_output(comm, False), math.prod(x.shape[:-1])))
+
+
+@torch.library.register_fake("rdna4_comm::dispatch_expert_fp8")
+def _dispatch_expert_fp8_fake(x, x_scales, topk_idx, topk_weights, order, comm):
+    _check_devices(comm, "dispatch", x=x, x_scales=x_scales, topk_idx=topk_idx, topk_weights=topk_weights,
+                   order=order)
+    return (*_dispatch_expert_fake(x, topk_idx, topk_weights, order, comm),
+            _new_output(x, _C.dispatch_scales_output(comm, True), math.prod(x.shape[:-1])))
 
 
 @torch.library.register_fake("rdna4_comm::combine_expert")

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .fp8 import dequantize_fp8, quantize_fp8  # noqa: F401  (the FP8 rule is part of the spec)
+from .fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8  # noqa: F401  (the FP8 rule is part of the spec)
 from .results import DispatchHandle, Dispatched, ExpertDispatched
 
 
@@ -101,14 +101,17 @@ def dispatch(
     layout: str = "rank",
     expert_alignment: int = 1,
     max_expert_rows: Optional[int] = None,
+    dispatch_dtype: Optional[torch.dtype] = None,
 ) -> list:
     """What each rank receives from ``Communicator.dispatch``.
 
     Args:
-        xs: per rank, [T_r, H] (the op's x with its leading dimensions flattened).
+        xs: per rank, [T_r, H] (the op's x with its leading dimensions
+            flattened); with ``dispatch_dtype=torch.float8_e4m3fn``, that or
+            a ``(q, scales)`` pair of :func:`quantize_fp8`.
         topk_idxs: per rank, [T_r, K] int32 or int64 global expert ids.
         topk_weights: per rank, [T_r, K] float32, bfloat16 or float16, or None.
-        layout, expert_alignment, max_expert_rows: as the Communicator's.
+        layout, expert_alignment, max_expert_rows, dispatch_dtype: as the Communicator's.
 
     Returns:
         Per rank, a :class:`Dispatched` with the op's shapes and values,
@@ -116,10 +119,16 @@ def dispatch(
         built from it by :func:`expert_layout`). Its routing has the dtypes of
         that rank's own inputs; weights travel in float32 (exact for
         bfloat16/float16 inputs) and are rounded once to the receiving rank's
-        weight dtype.
+        weight dtype. FP8: x holds the bytes of :func:`quantize_fp8` of each
+        row (or of the pair given), x_scales their scales.
     """
     if layout not in ("rank", "expert"):
         raise ValueError(f"dispatch: layout must be one of ('rank', 'expert'), got {layout!r}")
+    if dispatch_dtype not in (None, FP8_DTYPE):
+        raise ValueError(f"dispatch: dispatch_dtype must be None or {FP8_DTYPE}, got {dispatch_dtype!r}")
+    if dispatch_dtype is not None:  # FP8 rows travel as their bytes, with their scales
+        xs = [x if isinstance(x, (tuple, list)) else quantize_fp8(x) for x in xs]
+        xs = [(q.view(torch.uint8), scales) for q, scales in xs]
     rank_major = _dispatch_rank_major(xs, topk_idxs, topk_weights, num_experts, max_tokens_per_rank)
     if layout == "rank":
         return rank_major
@@ -134,11 +143,14 @@ def expert_layout(d: Dispatched, num_local_experts: int, alignment: int, rows: i
     (ascending), the block's start rounded up to ``alignment``; the pair's
     weight is the fp32 sum of its slots' weights in slot order, rounded once.
     Pairs past ``rows`` are dropped (the op raises for them at its next call).
-    Rows that hold no pair are zeros."""
+    Rows that hold no pair are zeros (their FP8 scales too)."""
     idx = d.topk_idx.long()
     R, K = idx.shape
     received = int(d.counts.sum())
-    x = torch.zeros(rows, d.x.shape[1], dtype=d.x.dtype)
+    fp8 = d.x_scales is not None
+    rows_in = d.x.view(torch.uint8) if fp8 else d.x
+    x = torch.zeros(rows, d.x.shape[1], dtype=rows_in.dtype)
+    scales = torch.zeros(rows, d.x_scales.shape[1]) if fp8 else None
     w = None if d.topk_weights is None else torch.zeros(rows, dtype=d.topk_weights.dtype)
     rows_of = [[] for _ in range(R)]
     counts, offsets = [], [0]
@@ -149,7 +161,9 @@ def expert_layout(d: Dispatched, num_local_experts: int, alignment: int, rows: i
             if not slots:
                 continue
             if at < rows:
-                x[at] = d.x[j]
+                x[at] = rows_in[j]
+                if fp8:
+                    scales[at] = d.x_scales[j]
                 if w is not None:
                     acc = d.topk_weights[j, slots[0]].float()
                     for k in slots[1:]:
@@ -162,19 +176,21 @@ def expert_layout(d: Dispatched, num_local_experts: int, alignment: int, rows: i
     of = torch.full((R, K), -1, dtype=torch.int32)
     for j, pairs in enumerate(rows_of):
         of[j, :len(pairs)] = torch.tensor(pairs, dtype=torch.int32)
-    return ExpertDispatched(x, torch.tensor(counts, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32), w,
-                            d.handle._replace(expert_rows_of=of))
+    return ExpertDispatched(x.view(d.x.dtype), torch.tensor(counts, dtype=torch.int32),
+                            torch.tensor(offsets, dtype=torch.int32), w, d.handle._replace(expert_rows_of=of), scales)
 
 
 def _dispatch_rank_major(xs, topk_idxs, topk_weights, num_experts: int, max_tokens_per_rank: int) -> list[Dispatched]:
+    """xs: per rank, [T_r, H], or FP8's (q bytes [T_r, H] uint8, scales [T_r, S])."""
     W, cap = len(xs), max_tokens_per_rank
+    fields = [x if isinstance(x, tuple) else (x,) for x in xs]  # each source's row fields
     epr = num_experts // W
     owners = [expert_owners(i, num_experts, W) for i in topk_idxs]
     ranks = torch.arange(W)
     hits = [(o.unsqueeze(-1) == ranks).any(1) for o in owners]  # [T, W] bool
     bits = (1 << ranks).to(torch.int32)
     send_masks = [(h.to(torch.int32) * bits).sum(1, dtype=torch.int32) for h in hits]
-    src_tokens = torch.tensor([x.shape[0] for x in xs], dtype=torch.int32)
+    src_tokens = torch.tensor([f[0].shape[0] for f in fields], dtype=torch.int32)
 
     out = []
     for d in range(W):
@@ -182,16 +198,18 @@ def _dispatch_rank_major(xs, topk_idxs, topk_weights, num_experts: int, max_toke
         for s in range(W):
             toks = hits[s][:, d].nonzero().flatten()
             here = owners[s][toks] == d
-            xr.append(xs[s][toks])
+            xr.append([f[toks] for f in fields[s]])
             ir.append(torch.where(here, topk_idxs[s][toks].long() - d * epr, -1))
             if topk_weights is not None:
                 wr.append(torch.where(here, topk_weights[s][toks].float(), 0.0))
             sr.append((s * cap + toks).to(torch.int32))
             counts.append(toks.numel())
         n, rows = sum(counts), W * cap
-        H, K = xs[d].shape[1], topk_idxs[d].shape[1]
-        x = torch.zeros(rows, H, dtype=xs[d].dtype)
-        x[:n] = torch.cat(xr)
+        K = topk_idxs[d].shape[1]
+        x = []
+        for i, f in enumerate(fields[d]):
+            x.append(torch.zeros(rows, f.shape[1], dtype=f.dtype))
+            x[i][:n] = torch.cat([part[i] for part in xr])
         idx = torch.full((rows, K), -1, dtype=topk_idxs[d].dtype)
         idx[:n] = torch.cat(ir)
         w = None
@@ -202,8 +220,11 @@ def _dispatch_rank_major(xs, topk_idxs, topk_weights, num_experts: int, max_toke
         src = torch.full((rows,), -1, dtype=torch.int32)
         src[:n] = torch.cat(sr)
         cnt = torch.tensor(counts, dtype=torch.int32)
-        handle = DispatchHandle(src, cnt, src_tokens.clone(), send_masks[d], "reference", (xs[d].shape[0],))
-        out.append(Dispatched(x, idx, w, cnt, handle))
+        handle = DispatchHandle(src, cnt, src_tokens.clone(), send_masks[d], "reference", (fields[d][0].shape[0],))
+        if len(x) == 2:  # FP8
+            out.append(Dispatched(x[0].view(FP8_DTYPE), idx, w, cnt, handle, x[1]))
+        else:
+            out.append(Dispatched(x[0], idx, w, cnt, handle))
     return out
 
 

@@ -37,9 +37,11 @@ class DispatchHandle(NamedTuple):
 class Dispatched(NamedTuple):
     """Result of :meth:`Communicator.dispatch` on the receiving rank.
 
-    - ``x``: [W*cap, H] of the communicator dtype. Rows ``[0, num_recv)`` are
-      valid, grouped by source rank ascending, within a source by source token
-      ascending; later rows are padding, their contents unspecified.
+    - ``x``: [W*cap, H] of the communicator dtype (torch.float8_e4m3fn for a
+      communicator made with ``dispatch_dtype=torch.float8_e4m3fn``). Rows
+      ``[0, num_recv)`` are valid, grouped by source rank ascending, within a
+      source by source token ascending; later rows are padding, their
+      contents unspecified.
     - ``topk_idx``: [W*cap, K] in the dtype of the ids given (int32 or int64),
       the local expert id (global id minus ``rank * num_experts / W``) where the
       slot's expert lives on this rank, else -1. Padding rows are all -1.
@@ -49,6 +51,9 @@ class Dispatched(NamedTuple):
     - ``counts``: [W] int32 on the op's device, rows received from each source;
       ``num_recv = counts.sum()``.
     - ``handle``: :class:`DispatchHandle` for :meth:`Communicator.combine`.
+    - ``x_scales``: FP8 dispatch: [W*cap, ceil(H / 128)] torch.float32, the
+      scales of x's rows (``rdna4_comm.dequantize_fp8(x, x_scales)``;
+      unspecified on padding rows, like x); None otherwise.
     """
 
     x: torch.Tensor
@@ -56,6 +61,7 @@ class Dispatched(NamedTuple):
     topk_weights: Optional[torch.Tensor]
     counts: torch.Tensor
     handle: DispatchHandle
+    x_scales: Optional[torch.Tensor] = None
 
 
 class ExpertDispatched(NamedTuple):
@@ -63,7 +69,8 @@ class ExpertDispatched(NamedTuple):
     receiving rank: the received rows grouped by local expert, for grouped
     GEMMs (``offs = expert_offsets[1:]``).
 
-    - ``x``: [comm.expert_rows, H] of the communicator dtype. Local expert
+    - ``x``: [comm.expert_rows, H] of the communicator dtype (FP8 dispatch:
+      torch.float8_e4m3fn). Local expert
       ``e`` owns rows ``[expert_offsets[e], expert_offsets[e] + expert_counts[e])``:
       one row per (source token, e) pair whose token selected e (an id
       repeated in a token's slots routes once), by source rank, then source
@@ -78,6 +85,9 @@ class ExpertDispatched(NamedTuple):
       rows; None when dispatch got no weights.
     - ``handle``: :class:`DispatchHandle` (with ``expert_rows_of``) for
       :meth:`Communicator.combine`.
+    - ``x_scales``: FP8 dispatch: [comm.expert_rows, ceil(H / 128)]
+      torch.float32, the scales of x's rows (zeros on padding rows); None
+      otherwise.
     """
 
     x: torch.Tensor
@@ -85,4 +95,5 @@ class ExpertDispatched(NamedTuple):
     expert_offsets: torch.Tensor
     topk_weights: Optional[torch.Tensor]
     handle: DispatchHandle
+    x_scales: Optional[torch.Tensor] = None
 

@@ -75,6 +75,9 @@ CASES = {
     "ctor.max_expert_rows": (lambda e: constructor(max_tokens_per_rank=4, hidden=8, topk=2, num_experts=2 * e.W,
                                                    max_expert_rows=-1), "ValueError",
                              "max_expert_rows must be a positive int, got -1"),
+    "ctor.dispatch_dtype": (lambda e: constructor(max_tokens_per_rank=4, hidden=8, topk=2, num_experts=2 * e.W,
+                                                  dispatch_dtype=torch.float8_e5m2), "TypeError",
+                            "dispatch_dtype must be None or torch.float8_e4m3fn, got torch.float8_e5m2"),
     "ctor.timeout_env": (lambda e: with_timeout_env("ten seconds"), "ValueError",
                          "RDNA4_COMM_TIMEOUT_MS must be a positive integer (milliseconds), got 'ten seconds'"),
     # dispatch
@@ -110,6 +113,25 @@ CASES = {
                        "created without EP fields"),
     "dispatch.layout": (lambda e: lambda: e.comm.dispatch(e.x, e.idx, layout="expert_major"), "ValueError",
                         "dispatch: layout must be one of ('rank', 'expert'), got 'expert_major'"),
+    # FP8 dispatch (e.fp8: a communicator made with dispatch_dtype=torch.float8_e4m3fn)
+    "dispatch.pair_without_fp8": (lambda e: lambda: e.comm.dispatch(rc.quantize_fp8(e.x), e.idx), "ValueError",
+                                  "a (q, scales) pair needs a communicator made with "
+                                  "dispatch_dtype=torch.float8_e4m3fn; this one dispatches torch.bfloat16"),
+    "dispatch.fp8_not_a_pair": (lambda e: lambda: e.fp8.dispatch((e.x,), e.idx), "TypeError",
+                                "x must be a tensor or a (q, scales) pair from rdna4_comm.quantize_fp8, "
+                                "got a sequence of 1"),
+    "dispatch.fp8_q_dtype": (lambda e: lambda: e.fp8.dispatch((e.x, rc.quantize_fp8(e.x)[1]), e.idx), "TypeError",
+                             "x (the pair's q) must be torch.float8_e4m3fn, got torch.bfloat16"),
+    "dispatch.fp8_scales_shape": (lambda e: lambda: e.fp8.dispatch((rc.quantize_fp8(e.x)[0], e.ones(4, 2).float()),
+                                                                   e.idx), "ValueError",
+                                  "x_scales (the pair's scales) must have shape [4, 1] (x's tokens, ceil(hidden / "
+                                  "128)) or [4, 1], got [4, 2]"),
+    "dispatch.fp8_scales_dtype": (lambda e: lambda: e.fp8.dispatch(
+        (rc.quantize_fp8(e.x)[0], rc.quantize_fp8(e.x)[1].double()), e.idx), "TypeError",
+        "x_scales (the pair's scales) must be torch.float32, got torch.float64"),
+    "dispatch.fp8_x_dtype": (lambda e: lambda: e.fp8.dispatch(e.x.float(), e.idx), "TypeError",
+                             "x must be torch.bfloat16 (quantised to FP8 by the op) or a (q, scales) pair from "
+                             "rdna4_comm.quantize_fp8, got torch.float32"),
     # combine
     "combine.y_rows": (lambda e: lambda: e.comm.combine(e.y[:-1], e.d.handle), "ValueError",
                        "y must have shape [{rows}, 8] ([world_size * max_tokens_per_rank, hidden])"),
@@ -165,6 +187,7 @@ def t_catalogue(ctx):
     comm = ctx.comm(**ep_cfg(W))
     other = ctx.comm(**dict(ep_cfg(W), max_tokens_per_rank=CAP + 3))  # another communicator, larger capacity
     ar_only = ctx.comm(allreduce_slot_bytes=4096)
+    fp8 = ctx.comm(**ep_cfg(W), dispatch_dtype=torch.float8_e4m3fn)
     x, idx, w = (t.to(dev) for t in ep_inputs(1, ctx.rank, W, 4, ref_cfg(W), "random"))
     d = comm.dispatch(x, idx, w)
     de = comm.dispatch(x, idx, w, layout="expert")
@@ -172,7 +195,7 @@ def t_catalogue(ctx):
     closed = rc.Communicator(transport=ctx.transport)
     closed.close()
     e = SimpleNamespace(
-        W=W, dev=dev, comm=comm, ar_only=ar_only, closed=closed, x=x, idx=idx, w=w, d=d, de=de, foreign=foreign,
+        W=W, dev=dev, comm=comm, ar_only=ar_only, fp8=fp8, closed=closed, x=x, idx=idx, w=w, d=d, de=de, foreign=foreign,
         y=expert_fn(d.x, ctx.rank), wrong_device=torch.device("meta") if ctx.device.type == "cpu" else torch.device("cpu"),
         ones=lambda *shape: torch.ones(*shape, dtype=torch.bfloat16, device=dev),
         zeros_ids=lambda T: torch.zeros(T, K, dtype=torch.long, device=dev),
@@ -183,6 +206,7 @@ def t_catalogue(ctx):
     out = comm.combine(e.y, d.handle)
     other.combine(expert_fn(foreign.x, ctx.rank), foreign.handle)
     s = comm.all_reduce(rand(9, ctx.rank, (100,)).to(dev))
+    fp8.dispatch(x, idx, w)
     return errors, out, s
 
 

@@ -97,7 +97,7 @@ def test_bench_ep_cap_runs_a_decode_step_on_a_larger_capacity(tmp_path):
     assert bad.returncode == 2 and "--cap 64 must be" in bad.stderr and not (tmp_path / "bad.jsonl").exists()
 
 
-BENCH_KERNELS_ROWS = 7
+BENCH_KERNELS_ROWS = 9
 
 
 def test_bench_kernels_on_cpu(tmp_path):
@@ -133,7 +133,7 @@ def test_bench_kernels_on_cpu(tmp_path):
         else:
             assert x["baseline"]["p50_us"] > 0 and x["target_kind"] == "ratio"
             assert x["ratio"] == pytest.approx(own["p50_us"] / x["baseline"]["p50_us"]) and x["ratio"] > 0
-    assert [x["measure"] for x in rows] == ["device"] * 5 + ["host"] * 2
+    assert [x["measure"] for x in rows] == ["device"] * 5 + ["host"] * 2 + ["device"] * 2
     assert rows[4]["cap"] == 256 and rows[4]["baseline"]["op"] == "dc_decode"
 
     before = out.read_bytes()

@@ -5,12 +5,29 @@
 
 #include <ATen/Dispatch.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "../comm.h"
 
 namespace rdna4_comm {
 namespace cpu {
+
+// One token's row of H channels of dtype st, quantised by the FP8 rule
+// (fp8.h): the FP8 bytes into q, one fp32 scale per kFp8Block channels.
+inline void quantize_fp8_row(at::ScalarType st, const char* x, int64_t H, char* q, float* scales) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, st, "rdna4_comm_quantize_fp8", [&] {
+    const scalar_t* row = reinterpret_cast<const scalar_t*>(x);
+    for (int64_t b0 = 0, blk = 0; b0 < H; b0 += kFp8Block, ++blk) {
+      const int64_t b1 = std::min(b0 + kFp8Block, H);
+      float amax = 0.f;
+      for (int64_t i = b0; i < b1; ++i) amax = fp8_amax(amax, float(row[i]));
+      const float scale = fp8_scale(amax);
+      scales[blk] = scale;
+      for (int64_t i = b0; i < b1; ++i) q[i] = char(fp8_e4m3fn_bits(float(row[i]) / scale));
+    }
+  });
+}
 
 // Element-wise fp32 sum of `srcs` in the given (rank) order, rounded once.
 template <typename T>

@@ -176,14 +176,15 @@ class CpuComm final : public Comm {
   // chunks in chunk-major order. Everything is published before the first
   // wait, so no rank waits for a peer that waits for it. Ids and weights are
   // read and written in the caller's dtypes.
-  void dispatch_impl(const at::Tensor& x, const at::Tensor& topk_idx,
+  void dispatch_impl(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales, const at::Tensor& topk_idx,
                      const c10::optional<at::Tensor>& topk_weights, Dispatched& out) override {
+    const float* scales = x_scales ? x_scales->data_ptr<float>() : nullptr;
     AT_DISPATCH_INDEX_TYPES(topk_idx.scalar_type(), "rdna4_comm_dispatch_ids", [&] {
       using IdxT = index_t;
-      if (!topk_weights) return dispatch_typed<IdxT, float>(x, topk_idx.data_ptr<IdxT>(), nullptr, out);
+      if (!topk_weights) return dispatch_typed<IdxT, float>(x, scales, topk_idx.data_ptr<IdxT>(), nullptr, out);
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, topk_weights->scalar_type(),
                                       "rdna4_comm_dispatch_weights", [&] {
-        dispatch_typed<IdxT, scalar_t>(x, topk_idx.data_ptr<IdxT>(), topk_weights->data_ptr<scalar_t>(), out);
+        dispatch_typed<IdxT, scalar_t>(x, scales, topk_idx.data_ptr<IdxT>(), topk_weights->data_ptr<scalar_t>(), out);
       });
     });
   }
@@ -250,12 +251,22 @@ class CpuComm final : public Comm {
 
  private:
   template <typename IdxT, typename WT>
-  void dispatch_typed(const at::Tensor& x, const IdxT* idp, const WT* wp, Dispatched& out) {
+  void dispatch_typed(const at::Tensor& x, const float* x_scales, const IdxT* idp, const WT* wp, Dispatched& out) {
     const int W = cfg_.world, me = cfg_.rank;
-    const int64_t T = x.size(0), K = cfg_.topk, cap = cfg_.cap, epr = cfg_.experts_per_rank();
-    const int64_t payload = cfg_.hidden * int64_t(c10::elementSize(cfg_.dtype));
+    const int64_t T = x.size(0), K = cfg_.topk, cap = cfg_.cap, epr = cfg_.experts_per_rank(), H = cfg_.hidden;
+    const int64_t S = layout_.fp8_scales;
+    // Bytes of an input row and of an output row (FP8: one per channel).
+    const int64_t in_row = H * int64_t(x.element_size()), payload = S ? H : H * cfg_.elt;
     const int64_t C = ep_chunk_tokens(T), nch = ep_num_chunks(T);
     const char* xp = static_cast<const char*>(x.data_ptr());
+    float* scales_out = S ? out.x_scales.data_ptr<float>() : nullptr;
+    // Token t's row, and an FP8 row's scales, as they travel: x's bytes, or
+    // FP8 quantised here from x in dtype.
+    auto put_row = [&](int64_t t, char* row, float* scales) {
+      if (S && !x_scales) return cpu::quantize_fp8_row(x.scalar_type(), xp + t * in_row, H, row, scales);
+      std::memcpy(row, xp + t * in_row, size_t(payload));
+      if (S) std::memcpy(scales, x_scales + t * S, size_t(S) * 4);
+    };
     int32_t* mask_out = out.send_mask.data_ptr<int32_t>();
     char* rx = static_cast<char*>(out.x.data_ptr());
     IdxT* rid_out = out.topk_idx.data_ptr<IdxT>();
@@ -307,7 +318,7 @@ class CpuComm final : public Comm {
         for (int d = 0; d < W; ++d) {
           if (d == me || !(uint32_t(mask_out[t]) >> d & 1u)) continue;
           char* row = layout_.dispatch_row(data(d), gen, me, next[d]++);
-          std::memcpy(row, xp + t * payload, size_t(payload));
+          put_row(t, row, layout_.row_scales(row));
           write_routing(t, d, layout_.row_ids(row), layout_.row_weights(row));
           *layout_.row_token(row) = int32_t(t);
         }
@@ -331,7 +342,7 @@ class CpuComm final : public Comm {
     }
     for (int64_t t = 0; t < T; ++t) {
       if (!(uint32_t(mask_out[t]) >> me & 1u)) continue;
-      std::memcpy(rx + own * payload, xp + t * payload, size_t(payload));
+      put_row(t, rx + own * payload, scales_out + own * S);
       write_routing(t, me, rid_out + own * K, rw_out ? rw_out + own * K : static_cast<WT*>(nullptr));
       src_out[own++] = int32_t(me * cap + t);
     }
@@ -359,6 +370,7 @@ class CpuComm final : public Comm {
           char* row = layout_.dispatch_row(data(me), gen, s, j);
           const int64_t o = offset[s] + j;
           std::memcpy(rx + o * payload, row, size_t(payload));
+          if (S) std::memcpy(scales_out + o * S, layout_.row_scales(row), size_t(S) * 4);
           const int32_t* ids = layout_.row_ids(row);
           const float* weights = layout_.row_weights(row);
           for (int64_t k = 0; k < K; ++k) rid_out[o * K + k] = IdxT(ids[k]);

@@ -4,7 +4,7 @@
 // heap. Then every block writes its share of the padding rows' routing (-1
 // ids, 0 weights); the padding rows of x are left unwritten, so the work
 // follows the routed rows, not the capacity.
-#include "device/rows.cuh"
+#include "device/fp8_rows.cuh"
 #include "device/routing.cuh"
 #include "device/sync.cuh"
 
@@ -26,13 +26,16 @@ struct DispatchShared {
   uint32_t item_row_start[kMaxGroup], item_first[kMaxGroup + 1];
 };
 
-RC_DEVICE float load_weight(const void* w, int64_t i, DType t) {
-  switch (t) {
-    case DType::kF32: return static_cast<const float*>(w)[i];
-    case DType::kBF16: return bf16_bits_to_float(static_cast<const uint16_t*>(w)[i]);
-    default: return f16_bits_to_float(static_cast<const uint16_t*>(w)[i]);
-  }
+// What a dispatch row's payload is: x's bytes as they are; FP8 quantised
+// from x (fp8.h); or an FP8 pair's bytes and scales (DispatchArgs::x_scales).
+enum PayloadMode : int { kRowsAsIs = 0, kQuantizeFp8 = 1, kFp8Pair = 2 };
+
+// Units of a row in the row loops: vectors of V, or FP8 lanes (fp8_rows.cuh).
+template <bool kFp8, typename V>
+RC_DEVICE uint32_t row_units(const Layout& L) {
+  return kFp8 ? fp8_row_units(L.hidden) : uint32_t(L.hidden * L.elt / int64_t(sizeof(V)));
 }
+
 // Exact for every weight that came in that dtype (the heap carries fp32).
 RC_DEVICE void store_weight(void* w, int64_t i, DType t, float v) {
   switch (t) {
@@ -52,7 +55,7 @@ constexpr int kSlotsPerLane = (kMaxTopk + kMinWarpSize - 1) / kMinWarpSize;
 // of them and counts the earlier chunks' rows itself; otherwise it adds up
 // the other blocks' tallies (a published count per block and destination).
 // False (on every thread) when a wait failed.
-template <typename IdxT, int KF, typename V>
+template <typename IdxT, int KF, typename V, int kMode>
 RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLaunch& lp, DispatchShared& sh,
                                uint64_t gen, int b) {
   const Layout& L = env.layout;
@@ -60,11 +63,15 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
   const Routing<IdxT, KF> route{static_cast<const IdxT*>(a.topk_idx), int(L.topk), a.num_experts,
                                 lp.experts_per_rank, W};
   const int K = route.topk(), nblocks = lp.send_blocks;
-  const int64_t payload = L.hidden * L.elt;
+  constexpr bool kFp8 = kMode != kRowsAsIs;
+  // Bytes of an input row and of an output row (FP8: one per channel).
+  const int64_t H = L.hidden, S = L.fp8_scales;
+  const int64_t in_row = kMode == kQuantizeFp8 ? H * dtype_bytes(a.x_dtype) : (kFp8 ? H : H * L.elt);
+  const int64_t payload = kFp8 ? H : H * L.elt;
   // Token indices fit 32 bits (kMaxGpuTokensPerRank): less state to keep.
   const int32_t T = int32_t(a.ntok), C = int32_t(lp.own_block_tokens);
   const int32_t t0 = b * C, t1 = t0 + C < T ? t0 + C : T;
-  const uint32_t nvec = uint32_t(payload / int64_t(sizeof(V)));
+  const uint32_t nvec = row_units<kFp8, V>(L);
   const char* x = static_cast<const char*>(a.x);
   char* out_x = static_cast<char*>(a.out_x);
   IdxT* out_idx = static_cast<IdxT*>(a.out_idx);
@@ -190,9 +197,17 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
           const int k = int(s.first + i * s.stride);
           if (!s.lead || k >= K) continue;
           slot_id[i] = int64_t(route.idx[tok * K + k]);
-          slot_w[i] = a.topk_weights ? load_weight(a.topk_weights, tok * K + k, a.weights_dtype) : 0.f;
+          slot_w[i] = a.topk_weights ? load_as_float(a.topk_weights, tok * K + k, a.weights_dtype) : 0.f;
         }
-        copy_row<V, true>(x + tok * payload, row_at, tm, s);
+        // An FP8 row's scales: the output's own rows or the heap row's.
+        auto scales_at = [&](int d) {
+          return d == me ? a.out_scales + (self_base + row_index(d)) * S : L.row_scales(row_at(d));
+        };
+        if constexpr (kMode == kRowsAsIs) copy_row<V, true>(x + tok * in_row, row_at, tm, s);
+        else if constexpr (kMode == kQuantizeFp8)
+          quantize_fp8_row(x + tok * in_row, a.x_dtype, H, a.fp8_vectors, row_at, scales_at, tm, s);
+        else
+          copy_fp8_row<true>(x + tok * in_row, a.x_scales + tok * S, H, a.fp8_vectors, row_at, scales_at, tm, s);
         if (!s.lead) return;
 #pragma unroll
         for (int i = 0; i < kSlotsPerLane; ++i) {
@@ -274,13 +289,13 @@ RC_DEVICE bool load_headers(const Env& env, DispatchShared& sh, uint64_t gen, Ow
 }
 
 // False (on every thread) when a wait failed: sh.src may then be incomplete.
-template <typename IdxT, typename V>
+template <typename IdxT, typename V, bool kFp8>
 RC_DEVICE bool dispatch_receiver(const Env& env, const DispatchArgs& a, DispatchShared& sh, uint64_t gen, int j,
                                  int nblocks) {
   const Layout& L = env.layout;
   const int me = env.rank, W = env.world, tid = threadIdx.x;
-  const int64_t payload = L.hidden * L.elt, K = L.topk, cap = L.cap;
-  const uint32_t nvec = uint32_t(payload / int64_t(sizeof(V)));
+  const int64_t H = L.hidden, S = L.fp8_scales, payload = kFp8 ? H : H * L.elt, K = L.topk, cap = L.cap;
+  const uint32_t nvec = row_units<kFp8, V>(L);
   char* out_x = static_cast<char*>(a.out_x);
   IdxT* out_idx = static_cast<IdxT*>(a.out_idx);
 
@@ -319,7 +334,11 @@ RC_DEVICE bool dispatch_receiver(const Env& env, const DispatchArgs& a, Dispatch
       const int64_t o = sh.src.offset[s] + hr;                // its output row
       char* row = L.dispatch_row(env.data[me], gen, s, hr);
       auto out_row = [&](int) { return out_x + o * payload; };
-      copy_row<V, false>(row, out_row, 1u, rs);
+      if constexpr (kFp8)
+        copy_fp8_row<false>(row, L.row_scales(row), H, a.fp8_vectors, out_row,
+                            [&](int) { return a.out_scales + o * S; }, 1u, rs);
+      else
+        copy_row<V, false>(row, out_row, 1u, rs);
       if (!rs.lead) return;
       for (int k = int(rs.first); k < K; k += int(rs.stride)) {
         out_idx[o * K + k] = IdxT(L.row_ids(row)[k]);
@@ -349,9 +368,9 @@ RC_DEVICE void dispatch_padding(const Env& env, const DispatchArgs& a, const Sou
   for (int32_t r = p0 + threadIdx.x; r < p1; r += blockDim.x) a.out_recv_src[r] = -1;
 }
 
-// One kernel per (id type, top-k fast path, row vector): each holds the
-// registers of its own loops only.
-template <typename IdxT, int KF, typename V>
+// One kernel per (id type, top-k fast path, row vector, payload mode): each
+// holds the registers of its own loops only.
+template <typename IdxT, int KF, typename V, int kMode>
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(Env env, DispatchArgs a, EpLaunch lp) {
   __shared__ DispatchShared sh;
   const uint64_t gen = op_generation(env, kOpDispatch);
@@ -360,9 +379,11 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Env env, DispatchArg
     // The headers have usually arrived by now; a late peer keeps this block
     // here (bounded like every wait), and after a failed wait it returns at once.
     const OwnHeader own{dispatch_routes_all_tokens(a.ntok), a.ntok, lp.own_block_tokens};
-    have_headers = dispatch_sender<IdxT, KF, V>(env, a, lp, sh, gen, blockIdx.x) && load_headers(env, sh, gen, own);
+    have_headers =
+        dispatch_sender<IdxT, KF, V, kMode>(env, a, lp, sh, gen, blockIdx.x) && load_headers(env, sh, gen, own);
   } else {
-    have_headers = dispatch_receiver<IdxT, V>(env, a, sh, gen, blockIdx.x - lp.send_blocks, gridDim.x - lp.send_blocks);
+    have_headers = dispatch_receiver<IdxT, V, kMode != kRowsAsIs>(env, a, sh, gen, blockIdx.x - lp.send_blocks,
+                                                                 gridDim.x - lp.send_blocks);
   }
   // The verdict is block-uniform and read from shared memory: polling the
   // host-mapped error word here, on every thread, cost each warp a PCIe read
@@ -379,14 +400,23 @@ void launch_dispatch(const Env& env, const DispatchArgs& a, Stream s) {
                     row_vector(env.layout.hidden * env.layout.elt, {a.x, a.out_x})};
   const int blocks = g.send_blocks + g.recv_blocks;
   auto go = [&](auto kernel) { launch("dispatch", kernel, blocks, s, env, a, lp); };
+  if (env.layout.fp8_scales > 0) {
+    // FP8 rows: the generic top-k loop, one kernel per input form (the row vector is unused).
+    const bool pair = a.x_scales != nullptr;
+    if (a.idx_is_int64)
+      pair ? go(dispatch_kernel<int64_t, 0, uint4, kFp8Pair>) : go(dispatch_kernel<int64_t, 0, uint4, kQuantizeFp8>);
+    else
+      pair ? go(dispatch_kernel<int32_t, 0, uint4, kFp8Pair>) : go(dispatch_kernel<int32_t, 0, uint4, kQuantizeFp8>);
+    return;
+  }
   // A row vector of 16 bytes where rows and pointers allow it, else 2-byte pieces.
   const bool v16 = lp.vec == 16, k8 = env.layout.topk == 8;
   if (a.idx_is_int64) {
-    if (k8) v16 ? go(dispatch_kernel<int64_t, 8, uint4>) : go(dispatch_kernel<int64_t, 8, uint16_t>);
-    else v16 ? go(dispatch_kernel<int64_t, 0, uint4>) : go(dispatch_kernel<int64_t, 0, uint16_t>);
+    if (k8) v16 ? go(dispatch_kernel<int64_t, 8, uint4, kRowsAsIs>) : go(dispatch_kernel<int64_t, 8, uint16_t, kRowsAsIs>);
+    else v16 ? go(dispatch_kernel<int64_t, 0, uint4, kRowsAsIs>) : go(dispatch_kernel<int64_t, 0, uint16_t, kRowsAsIs>);
   } else {
-    if (k8) v16 ? go(dispatch_kernel<int32_t, 8, uint4>) : go(dispatch_kernel<int32_t, 8, uint16_t>);
-    else v16 ? go(dispatch_kernel<int32_t, 0, uint4>) : go(dispatch_kernel<int32_t, 0, uint16_t>);
+    if (k8) v16 ? go(dispatch_kernel<int32_t, 8, uint4, kRowsAsIs>) : go(dispatch_kernel<int32_t, 8, uint16_t, kRowsAsIs>);
+    else v16 ? go(dispatch_kernel<int32_t, 0, uint4, kRowsAsIs>) : go(dispatch_kernel<int32_t, 0, uint16_t, kRowsAsIs>);
   }
 }
 

@@ -214,10 +214,15 @@ class GpuComm final : public Comm {
 
   void rmsnorm_local(const RmsNormRows& c) override { launch_rmsnorm(c, true, true); }
 
-  void dispatch_impl(const at::Tensor& x, const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights,
-                     Dispatched& out) override {
+  void dispatch_impl(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales, const at::Tensor& topk_idx,
+                     const c10::optional<at::Tensor>& topk_weights, Dispatched& out) override {
     DispatchArgs a{};
     a.x = x.data_ptr();
+    a.x_dtype = dtype_of(x.scalar_type());  // what an FP8 layout quantises; a pair's q is moved as bytes
+    a.x_scales = x_scales ? x_scales->data_ptr<float>() : nullptr;
+    a.out_scales = out.x_scales.defined() ? out.x_scales.data_ptr<float>() : nullptr;
+    auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    a.fp8_vectors = cfg_.hidden % kFp8Block == 0 && aligned16(x.data_ptr()) && aligned16(out.x.data_ptr());
     a.topk_idx = topk_idx.data_ptr();
     a.idx_is_int64 = topk_idx.scalar_type() == at::kLong;
     a.topk_weights = topk_weights ? topk_weights->data_ptr() : nullptr;

@@ -47,7 +47,9 @@ struct AllReduceArgs {
 // topk_idx and out_idx), weights fp32, bf16 or fp16 (both topk_weights and
 // out_weights); the heap rows carry int32 ids and fp32 weights.
 struct DispatchArgs {
-  const void* x;         // [T, H]
+  const void* x;         // [T, H] of x_dtype; FP8 bytes with x_scales
+  DType x_dtype;
+  const float* x_scales;  // FP8 pair: [T, fp8_scales]; else nullptr (an FP8 layout then quantises x)
   const void* topk_idx;  // [T, K]
   bool idx_is_int64;
   const void* topk_weights;  // [T, K] of weights_dtype, or nullptr
@@ -55,6 +57,8 @@ struct DispatchArgs {
   int64_t ntok;
   int64_t num_experts;
   void* out_x;              // [W*cap, H]; rows past the received ones are left unwritten
+  float* out_scales;        // FP8: [W*cap, fp8_scales]; else nullptr
+  bool fp8_vectors;         // FP8: whole blocks (H % kFp8Block == 0), x and out_x 16-byte aligned
   void* out_idx;            // [W*cap, K]
   void* out_weights;        // [W*cap, K] of weights_dtype, or nullptr
   int32_t* out_counts;      // [W]

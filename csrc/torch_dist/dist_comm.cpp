@@ -50,6 +50,23 @@ at::Tensor field(const at::Tensor& rows, int64_t offset, int64_t bytes, at::Scal
   return rows.narrow(-1, offset, bytes).view(st);
 }
 
+// The FP8 rule (fp8.h) in tensor ops, for rows on any device: [T, H] of a
+// float dtype -> (q [T, H] uint8 holding float8_e4m3fn bits, scales [T, S]
+// fp32). The same ops as rdna4_comm.quantize_fp8, so the same bits.
+std::pair<at::Tensor, at::Tensor> quantize_fp8_rows(const at::Tensor& x) {
+  const int64_t T = x.size(0), H = x.size(1), S = fp8_num_scales(H);
+  const at::Tensor x32 = x.to(at::kFloat);
+  at::Tensor magnitude = x32.abs();
+  if (S * kFp8Block != H) magnitude = at::constant_pad_nd(magnitude, {0, S * kFp8Block - H});
+  const at::Tensor amax = magnitude.view({T, S, kFp8Block}).amax(-1);
+  // A tensor divisor: a CUDA tensor divided by a number is multiplied by its
+  // reciprocal, which is not the IEEE quotient.
+  const at::Tensor scales = at::clamp_min(amax, kFp8AmaxFloor) / at::full_like(amax, kFp8Max);
+  const at::Tensor block_of = at::floor_divide(at::arange(H, x.options().dtype(at::kLong)), kFp8Block);
+  const at::Tensor q = (x32 / scales.index_select(1, block_of)).to(at::kFloat8_e4m3fn);
+  return {q.view(at::kByte), scales};
+}
+
 class DistComm final : public Comm {
  public:
   explicit DistComm(CommConfig cfg)
@@ -140,7 +157,7 @@ class DistComm final : public Comm {
   // token), its rows first in token order, plus a header (row count, T).
   // One all-to-all of [W, block] bytes; the receiver compacts the rows by
   // source rank, then source token, into the fixed [W*cap] outputs.
-  void dispatch_impl(const at::Tensor& x, const at::Tensor& topk_idx,
+  void dispatch_impl(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales, const at::Tensor& topk_idx,
                      const c10::optional<at::Tensor>& topk_weights, Dispatched& out) override {
     const int W = cfg_.world;
     const int64_t T = x.size(0), K = cfg_.topk, cap = cfg_.cap, H = cfg_.hidden, epr = cfg_.experts_per_rank();
@@ -169,11 +186,18 @@ class DistComm final : public Comm {
     const at::Tensor slot_ids = with_pad_row(ids, -1), slot_owner = with_pad_row(owner, -1);
     const at::Tensor here = slot_owner == ranks.view({W, 1, 1});  // slot k's expert lives on d
 
-    const int64_t rs = int64_t(layout_.row_stride), ps = int64_t(layout_.payload_stride);
+    const int64_t rs = int64_t(layout_.row_stride), ps = int64_t(layout_.dispatch_payload);
+    const int64_t S = layout_.fp8_scales, so = int64_t(layout_.scales_offset);
     const int64_t block = cap * rs + kDispatchHeaderBytes;
     at::Tensor send = at::empty({W, block}, i64.dtype(at::kByte));
     at::Tensor rows = send.narrow(1, 0, cap * rs).view({W, cap, rs});
-    field(rows, 0, H * cfg_.elt, cfg_.dtype).copy_(with_pad_row(x, 0));
+    if (S > 0) {  // FP8: the q bytes and the scales, as given or quantised here
+      const auto [q, scales] = x_scales ? std::make_pair(x.view(at::kByte), *x_scales) : quantize_fp8_rows(x);
+      field(rows, 0, H, at::kByte).copy_(with_pad_row(q, 0));
+      field(rows, so, 4 * S, at::kFloat).copy_(with_pad_row(scales, 0));
+    } else {
+      field(rows, 0, H * cfg_.elt, cfg_.dtype).copy_(with_pad_row(x, 0));
+    }
     field(rows, ps, 4 * K, at::kInt).copy_(at::where(here, slot_ids - ranks.view({W, 1, 1}) * epr, -1));
     field(rows, ps + 4 * K, 4 * K, at::kFloat)
         .copy_(topk_weights ? at::where(here, with_pad_row(*topk_weights, 0), 0.f) : at::zeros({W, cap, K}, i64.dtype(at::kFloat)));
@@ -201,7 +225,13 @@ class DistComm final : public Comm {
     source_row.push_back(at::where(valid, j, 0));
     const at::Tensor picked = recv.narrow(1, 0, cap * rs).view({W, cap, rs}).index(source_row);  // [W*cap, rs]
     const at::Tensor valid_col = valid.unsqueeze(1);
-    out.x.copy_(field(picked, 0, H * cfg_.elt, cfg_.dtype));  // padding rows: unspecified
+    // Padding rows: unspecified.
+    if (S > 0) {
+      out.x.view(at::kByte).copy_(field(picked, 0, H, at::kByte));
+      out.x_scales.copy_(field(picked, so, 4 * S, at::kFloat));
+    } else {
+      out.x.copy_(field(picked, 0, H * cfg_.elt, cfg_.dtype));
+    }
     out.topk_idx.copy_(at::where(valid_col, field(picked, ps, 4 * K, at::kInt), -1));
     if (topk_weights) out.topk_weights.copy_(at::where(valid_col, field(picked, ps + 4 * K, 4 * K, at::kFloat), 0.f));
     out.recv_src.copy_(at::where(valid, src * cap + field(picked, ps + 8 * K, 4, at::kInt).squeeze(1), -1));

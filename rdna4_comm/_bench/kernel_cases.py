@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from .. import reference
 from ..communicator import Communicator
+from ..fp8 import FP8_DTYPE, quantize_fp8
 from .cases import EP_BITS, EP_EXPERTS, EP_TOPK, ep_routing
 from .._checks import assert_dispatched, assert_same, pattern
 from .._ranks import RankContext
@@ -61,14 +62,16 @@ def ep_inputs(tokens: int, hidden: int, device) -> tuple:
     return x, idx.to(torch.int64).to(device), w.to(DTYPE).to(device)
 
 
-def check_dispatched(d, x, idx, w, cap: int, what: str):
+def check_dispatched(d, x, idx, w, cap: int, what: str, fp8: bool = False):
     """Raise unless ``d`` (a Dispatched) is what rdna4_comm.reference.dispatch
     gives for this one rank (rdna4_comm._checks.assert_dispatched:
     counts; rows [0, counts.sum()) of x [cap, H] bf16, the rows after them
     being padding, unspecified; topk_idx [cap, 8] int64 with -1 padding and
     topk_weights [cap, 8] bf16 with 0 padding, whole; every handle field).
-    Returns the reference's Dispatched."""
-    ref = reference.dispatch([x.cpu()], [idx.cpu()], [w.cpu()], num_experts=EP_EXPERTS, max_tokens_per_rank=cap)[0]
+    With ``fp8``, x is the FP8 rows of rdna4_comm.quantize_fp8 and their
+    scales. Returns the reference's Dispatched."""
+    ref = reference.dispatch([x.cpu()], [idx.cpu()], [w.cpu()], num_experts=EP_EXPERTS, max_tokens_per_rank=cap,
+                             dispatch_dtype=FP8_DTYPE if fp8 else None)[0]
     assert_dispatched(d, ref, f"{what}:")
     return ref
 
@@ -104,6 +107,10 @@ class Cases:
                   f"torch.mul(src, 1, out=dst), [{tl}, {hl}] bf16: an elementwise kernel moving the copy's bytes "
                   "(ncu's stand-in for the copy_, a memcpy it does not profile)")
 
+        # Rows 8-9: FP8 dispatch of the same tokens, quantised in the op and of
+        # a (q, scales) pair, and the copy of the bytes it moves.
+        self._add_fp8_dispatch(self.comm(tl, hl, fp8=True), tl, hl)
+
         # Rows 3-5: dispatch + combine.
         self._add_round_trip("dc_small", self.comm(ts, hs), ts, hs)
         self._add_round_trip("dc_medium", self.comm(tm, hm), tm, hm)
@@ -119,12 +126,39 @@ class Cases:
         self._add("add", lambda: torch.add(a, b), lambda out: assert_same(out, expected, "torch.add"),
                   f"torch.add(a, b), two [{ADD_NUMEL}] fp32 tensors on {dev}")
 
-    def comm(self, cap: int, hidden: int) -> Communicator:
-        key = (cap, hidden)
+    def comm(self, cap: int, hidden: int, fp8: bool = False) -> Communicator:
+        key = (cap, hidden, fp8)
         if key not in self.comms:
             self.comms[key] = Communicator(dist.group.WORLD, max_tokens_per_rank=cap, hidden=hidden, topk=EP_TOPK,
-                                           num_experts=EP_EXPERTS, dtype=DTYPE, transport=self.rank.transport)
+                                           num_experts=EP_EXPERTS, dtype=DTYPE, transport=self.rank.transport,
+                                           dispatch_dtype=FP8_DTYPE if fp8 else None)
         return self.comms[key]
+
+    def _add_fp8_dispatch(self, comm: Communicator, tokens: int, hidden: int) -> None:
+        """Ops "dispatch_fp8" (x [T, H] bf16 quantised in the op),
+        "dispatch_fp8_pair" (its (q, scales) from rdna4_comm.quantize_fp8) and
+        "copy_fp8" (copy_ of those q and scales: the bytes FP8 dispatch moves
+        at W = 1)."""
+        x, idx, w = ep_inputs(tokens, hidden, self.rank.device)
+        q, scales = quantize_fp8(x)
+        shapes = (f"topk_idx [{tokens}, 8] int64, topk_weights [{tokens}, 8] bf16), cap {tokens}, "
+                  "dispatch_dtype=torch.float8_e4m3fn")
+        self._add("dispatch_fp8", lambda: comm.dispatch(x, idx, w),
+                  lambda d: check_dispatched(d, x, idx, w, tokens, "FP8 dispatch", fp8=True),
+                  f"comm.dispatch(x [{tokens}, {hidden}] bf16, {shapes}")
+        self._add("dispatch_fp8_pair", lambda: comm.dispatch((q, scales), idx, w),
+                  lambda d: check_dispatched(d, x, idx, w, tokens, "FP8 dispatch of a pair", fp8=True),
+                  f"comm.dispatch((q [{tokens}, {hidden}] float8_e4m3fn, scales [{tokens}, {scales.shape[1]}] "
+                  f"fp32), {shapes}")
+        q_bytes, dst_q, dst_s = q.view(torch.uint8), torch.empty_like(q.view(torch.uint8)), torch.empty_like(scales)
+
+        def check_copy(out):
+            assert_same(out[0], q_bytes, "copy_ of q")
+            assert_same(out[1], scales, "copy_ of the scales")
+
+        self._add("copy_fp8", lambda: (dst_q.copy_(q_bytes), dst_s.copy_(scales)), check_copy,
+                  f"dst_q.copy_(q), dst_s.copy_(scales): [{tokens}, {hidden}] uint8 and [{tokens}, {scales.shape[1]}] "
+                  f"fp32 ({tokens * hidden + scales.numel() * 4} bytes: what FP8 dispatch moves at W = 1)")
 
     def _add(self, key, run, check, detail) -> None:
         self.ops[key] = KOp(key, run, check, detail)

@@ -1,0 +1,167 @@
+// FP8 rows in the row loops of rows.cuh: a row of H channels is
+// fp8_num_scales(H) blocks of kFp8Block channels (fp8.h), and a block is one
+// warp width of units, so a warp's piece (a whole number of warp widths,
+// for_row_pieces) takes whole blocks: lane l holds channels [block *
+// kFp8Block + l * c, + c), c = kFp8Block / warp size, and the warp reduces
+// the block's amax with shuffles before any lane stores. Any H: channels
+// past it are zeros to the amax and are not stored.
+#pragma once
+
+#include "../../fp8.h"
+#include "rows.cuh"
+
+namespace rdna4_comm {
+namespace gpu {
+
+static_assert(kFp8Block % kMinWarpSize == 0 && kFp8Block / kMinWarpSize <= 4, "a lane holds at most 4 channels");
+constexpr int kFp8LaneChannels = kFp8Block / kMinWarpSize;
+
+RC_DEVICE uint32_t fp8_row_units(int64_t hidden) { return uint32_t(fp8_num_scales(hidden)) * uint32_t(warp_size()); }
+
+// An element of dtype t as fp32 (exact).
+RC_DEVICE float load_as_float(const void* p, int64_t i, DType t) {
+  switch (t) {
+    case DType::kF32: return static_cast<const float*>(p)[i];
+    case DType::kBF16: return bf16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
+    default: return f16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
+// Blocks in flight per warp in the FP8 row loops.
+constexpr int kFp8Unroll = 4;
+
+// The warp's block of unit v: its index and this lane's first channel. A
+// lane past the span (the span ends on a block boundary, so it is the whole
+// warp) has no channels.
+struct Fp8Lane {
+  int64_t block, first;
+  int count;  // channels of this lane below H
+  bool lead;  // the lane that stores the block's scale
+};
+RC_DEVICE Fp8Lane fp8_lane(uint32_t v, const RowSpan& s, int64_t hidden) {
+  const int ws = warp_size(), per_lane = kFp8Block / ws;
+  const int64_t block = v / uint32_t(ws), first = block * kFp8Block + int64_t(v % uint32_t(ws)) * per_lane;
+  const int64_t left = v < s.end ? hidden - first : 0;
+  return {block, first, int(left < 0 ? 0 : (left < per_lane ? left : per_lane)), v % uint32_t(ws) == 0};
+}
+
+// Rows of whole blocks whose starts are 16-byte aligned (`vector`, from the
+// host) move a lane's 4 channels as one vector (wave32: 128 / 32 channels).
+RC_DEVICE bool fp8_lane_vectors(bool vector) { return vector && kFp8Block / warp_size() == 4; }
+
+// This lane's channels of row x (dtype t) as fp32; zeros past H.
+RC_DEVICE void load_lane(const void* x, DType t, const Fp8Lane& l, bool vec, float (&v)[kFp8LaneChannels]) {
+  if (vec && l.count == 4) {
+    if (t == DType::kF32) {
+      const uint4 r = load_input(reinterpret_cast<const uint4*>(x) + l.first / 4);
+      v[0] = __uint_as_float(r.x), v[1] = __uint_as_float(r.y), v[2] = __uint_as_float(r.z), v[3] = __uint_as_float(r.w);
+    } else {
+      const uint2 r = load_input(reinterpret_cast<const uint2*>(x) + l.first / 4);
+      const uint16_t h[4] = {uint16_t(r.x), uint16_t(r.x >> 16), uint16_t(r.y), uint16_t(r.y >> 16)};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[i] = t == DType::kBF16 ? bf16_bits_to_float(h[i]) : f16_bits_to_float(h[i]);
+    }
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < kFp8LaneChannels; ++i) v[i] = i < l.count ? load_as_float(x, l.first + i, t) : 0.f;
+}
+
+// This lane's FP8 bytes of a row, to or from memory.
+template <bool kInput>
+RC_DEVICE uint32_t load_lane_bytes(const uint8_t* q, const Fp8Lane& l, bool vec) {
+  if (vec && l.count == 4) {
+    const uint32_t* p = reinterpret_cast<const uint32_t*>(q + l.first);
+    return kInput ? load_input(p) : *p;
+  }
+  uint32_t b = 0;
+#pragma unroll
+  for (int i = 0; i < kFp8LaneChannels; ++i)
+    if (i < l.count) b |= uint32_t(kInput ? load_input(q + l.first + i) : q[l.first + i]) << (8 * i);
+  return b;
+}
+RC_DEVICE void store_lane_bytes(uint8_t* q, const Fp8Lane& l, bool vec, uint32_t b) {
+  if (vec && l.count == 4) {
+    *reinterpret_cast<uint32_t*>(q + l.first) = b;
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < kFp8LaneChannels; ++i)
+    if (i < l.count) q[l.first + i] = uint8_t(b >> (8 * i));
+}
+
+// The blocks of span `s` of token row x (H channels of dtype t), quantised
+// by the FP8 rule; the bytes go to q_of(d) and the scales to scales_of(d)
+// for every rank d in `mask` (the same on every lane). kFp8Unroll blocks at
+// a time: their loads are in flight together, then their amaxes reduce.
+template <typename QOf, typename ScalesOf>
+RC_DEVICE void quantize_fp8_row(const void* x, DType t, int64_t hidden, bool vector, QOf q_of, ScalesOf scales_of,
+                                uint32_t mask, const RowSpan& s) {
+  const bool vec = fp8_lane_vectors(vector);
+  for (uint32_t v0 = s.first; v0 < s.end; v0 += s.stride * kFp8Unroll) {
+    Fp8Lane l[kFp8Unroll];
+    float val[kFp8Unroll][kFp8LaneChannels], amax[kFp8Unroll];
+#pragma unroll
+    for (int u = 0; u < kFp8Unroll; ++u) {
+      l[u] = fp8_lane(v0 + u * s.stride, s, hidden);
+      load_lane(x, t, l[u], vec, val[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kFp8Unroll; ++u) {
+      amax[u] = 0.f;
+#pragma unroll
+      for (int i = 0; i < kFp8LaneChannels; ++i) amax[u] = fp8_amax(amax[u], val[u][i]);
+    }
+    // Every lane of the warp runs the shuffles: a span ends on a block boundary.
+    for (int o = warp_size() / 2; o > 0; o /= 2)
+#pragma unroll
+      for (int u = 0; u < kFp8Unroll; ++u)
+        amax[u] = fp8_amax(amax[u], __int_as_float(warp_shfl_xor(__float_as_int(amax[u]), o)));
+#pragma unroll
+    for (int u = 0; u < kFp8Unroll; ++u) {
+      if (l[u].count == 0) continue;
+      const float scale = fp8_scale(amax[u]);
+      uint32_t q = 0;
+#pragma unroll
+      for (int i = 0; i < kFp8LaneChannels; ++i) q |= uint32_t(fp8_e4m3fn_bits(val[u][i] / scale)) << (8 * i);
+      for (uint32_t m = mask; m != 0; m &= m - 1) {
+        const int d = lowest_bit(m);
+        store_lane_bytes(reinterpret_cast<uint8_t*>(q_of(d)), l[u], vec, q);
+        if (l[u].lead) scales_of(d)[l[u].block] = scale;
+      }
+    }
+  }
+}
+
+// The blocks of span `s` of an FP8 row (bytes q, scales) as they are, to
+// q_of(d) and scales_of(d) for every rank d in `mask`. kInput: the row is an
+// op's input (load_input); else heap memory a peer wrote in this op.
+template <bool kInput, typename QOf, typename ScalesOf>
+RC_DEVICE void copy_fp8_row(const char* q, const float* scales, int64_t hidden, bool vector, QOf q_of,
+                            ScalesOf scales_of, uint32_t mask, const RowSpan& s) {
+  const bool vec = fp8_lane_vectors(vector);
+  for (uint32_t v0 = s.first; v0 < s.end; v0 += s.stride * kFp8Unroll) {
+    Fp8Lane l[kFp8Unroll];
+    uint32_t b[kFp8Unroll];
+    float scale[kFp8Unroll];
+#pragma unroll
+    for (int u = 0; u < kFp8Unroll; ++u) {
+      l[u] = fp8_lane(v0 + u * s.stride, s, hidden);
+      b[u] = load_lane_bytes<kInput>(reinterpret_cast<const uint8_t*>(q), l[u], vec);
+      const bool lead = l[u].lead && l[u].count > 0;
+      scale[u] = lead ? (kInput ? load_input(scales + l[u].block) : scales[l[u].block]) : 0.f;
+    }
+    for (uint32_t m = mask; m != 0; m &= m - 1) {
+      const int d = lowest_bit(m);
+#pragma unroll
+      for (int u = 0; u < kFp8Unroll; ++u) {
+        if (l[u].count == 0) continue;
+        store_lane_bytes(reinterpret_cast<uint8_t*>(q_of(d)), l[u], vec, b[u]);
+        if (l[u].lead) scales_of(d)[l[u].block] = scale[u];
+      }
+    }
+  }
+}
+
+}  // namespace gpu
+}  // namespace rdna4_comm
