@@ -34,6 +34,12 @@ from above):
    tensors on the same device. Target ratio <= 2.5.
 7. host time per eager combine (same communicator) against the same add.
    Target ratio <= 1.3.
+8. FP8 dispatch (``dispatch_dtype=torch.float8_e4m3fn``), T = 4096,
+   H = 7168, cap = 4096, x in bf16 quantised inside the op: device time
+   against a copy of the bytes it moves at W = 1, the FP8 rows and their
+   scales (``copy_`` of q [T, H] uint8 and scales [T, 56] fp32). Target
+   ratio <= 1.3, as for row 1.
+9. the same with a ``(q, scales)`` pair from ``rdna4_comm.quantize_fp8``.
 
 all_reduce and all_reduce_rmsnorm have no rows: at W = 1 the sum over ranks
 is a copy of the input (plus the norm), which says nothing about either
@@ -45,7 +51,7 @@ Method.
   rows are padding, unspecified), topk_idx with its -1 padding, topk_weights
   with its 0 padding, every handle field; combine: reference.combine, and at
   W = 1 combine(dispatch(x).x) == x); baselines against what they must give.
-- Device time (rows 1-5, GPU): torch.profiler (CPU + CUDA activities), each
+- Device time (rows 1-5, 8-9, GPU): torch.profiler (CPU + CUDA activities), each
   call in a record_function range followed by a device synchronisation; a
   call's time is the sum of the durations of the device activities
   (kernels, memcpys, memsets) launched inside its range (the launching ops
@@ -89,7 +95,7 @@ CPU (``--device cpu``, also where no GPU is usable): a one-process world on
 the "cpu" transport, the same rows with smaller shapes (rows 1-2: T = cap =
 256, H = 512; row 3: T = cap = 8, H = 256; row 4: T = cap = 64, H = 512;
 row 5: T = 8, H = 512, cap 256 against cap 8; rows 6-7: T = cap = 8,
-H = 512), device times from the wall clock of each call (the CPU transport
+H = 512; rows 8-9 as rows 1-2), device times from the wall clock of each call (the CPU transport
 runs its op on the calling thread, and torch runs on one thread too:
 torch.set_num_threads(1)), no graph replay, no ncu. The targets
 are GPU targets; on CPUs the table prints them but does not judge them.
@@ -142,7 +148,7 @@ AFTER_CAPTURE = "after the device rows: torch.profiler sessions and graph captur
 
 # The ops the ncu child profiles, one call each, in this order.
 NCU_OPS = ("dispatch", "copy", "copy_kernel", "combine", "dc_small", "dc_medium", "dc_decode_bigcap",
-           "dc_decode", "add")
+           "dc_decode", "add", "dispatch_fp8", "dispatch_fp8_pair")
 # ncu columns of a baseline whose own kernels ncu cannot see (a memcpy).
 NCU_STAND_IN = {"copy": "copy_kernel"}
 
@@ -154,7 +160,7 @@ NCU_STAND_IN = {"copy": "copy_kernel"}
 class Row:
     n: int
     case: str
-    measure: str  # "device" (rows 1-5) or "host" (rows 6-7)
+    measure: str  # "device" (rows 1-5, 8-9) or "host" (rows 6-7)
     op: str  # key of Cases.ops
     baseline: Optional[str]
     target: float
@@ -181,6 +187,10 @@ def make_rows(shapes: Shapes) -> list[Row]:
             "eager torch.add"),
         Row(7, f"host: eager combine T={td} H={hd}", "host", "combine_host", "add", 1.3, "ratio", False, td, hd, td,
             "eager torch.add"),
+        Row(8, f"FP8 dispatch T={tl} H={hl} cap={tl}", "device", "dispatch_fp8", "copy_fp8", 1.3, "ratio", False, tl,
+            hl, tl, "copy_ of the FP8 bytes"),
+        Row(9, f"FP8 dispatch of a pair T={tl} H={hl}", "device", "dispatch_fp8_pair", "copy_fp8", 1.3, "ratio", False,
+            tl, hl, tl, "copy_ of the FP8 bytes"),
     ]
 
 
@@ -454,7 +464,7 @@ def main(argv=None) -> int:
                 print("\nncu, one call of each op (clocks as ncu sets them; ratios and shares, not absolute "
                       "times, compare with the table):")
                 print(ncu_table(ncu["_kernels"], NCU_OPS))
-            print("\nDevice time (rows 1-5): " + ("torch.profiler, the sum of a call's kernels, memcpys and memsets"
+            print("\nDevice time (rows 1-5, 8-9): " + ("torch.profiler, the sum of a call's kernels, memcpys and memsets"
                                                   if timer.gpu else "the wall clock of each call") +
                   "; host time (rows 6-7): perf_counter around blocks of back-to-back eager calls" +
                   (", the GPU kept busy by a sleep kernel queued ahead of each block (no call waits for it)."
