@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .communicator import Communicator
+from .fp8 import dequantize_fp8
 
 
 def init_weights(seed: int, num_experts: int, hidden: int, ffn: int):
@@ -86,6 +87,8 @@ class ExpertParallelMoE(torch.nn.Module):
         ``rdna4_comm.mark_dynamic_tokens(x)``: one graph serves every T."""
         idx, weights = route(x, self.router, self.topk)
         d = self.comm.dispatch(x, idx, weights)
+        # FP8 dispatch: the experts take the communicator dtype.
+        rows = d.x if d.x_scales is None else dequantize_fp8(d.x, d.x_scales, self.comm.dtype)
         # Received rows carry local expert ids; padding rows (all -1) give zeros.
-        y = weighted_experts(d.x, d.topk_idx, d.topk_weights, self.w_in, self.w_out)
+        y = weighted_experts(rows, d.topk_idx, d.topk_weights, self.w_in, self.w_out)
         return self.comm.combine(y, d.handle)

@@ -91,15 +91,16 @@ def t_whole_model(ctx, kind, seed, compiled=False):
     return before, after, blocks, counter.frame_count
 
 
-def t_bf16_forward(ctx, kind, seed):
+def t_bf16_forward(ctx, kind, seed, dispatch_dtype=None, layout="expert"):
     """This rank's bf16 logits before and after expert_parallel (None without prompts)."""
     model = _model(kind, seed).to(torch.bfloat16)
-    comm = ctx.comm(max_tokens_per_rank=CAP, dtype=torch.bfloat16, **hf.ep_fields(model.config))
+    comm = ctx.comm(max_tokens_per_rank=CAP, dtype=torch.bfloat16, dispatch_dtype=dispatch_dtype,
+                    **hf.ep_fields(model.config))
     batch, length = PROMPTS[ctx.world][ctx.rank]
     ids = torch.randint(2, V, (batch, length), generator=torch.Generator().manual_seed(seed * 100 + ctx.rank))
     with torch.no_grad():
         before = model(ids).logits if batch else None
-        hf.expert_parallel(model, comm)
+        hf.expert_parallel(model, comm, layout=layout)
         if batch:
             return before, model(ids).logits
         hf.idle_forward(model)
@@ -163,3 +164,18 @@ def test_bf16_whole_model_logits_within_bf16_rounding(worlds, kind):
         scale = before.abs().max().item()
         assert err <= 2**-6 * scale, f"rank {rank}: logits differ by {err} at scale {scale}"
 
+
+
+@pytest.mark.parametrize("layout", ["rank", "expert"])
+def test_fp8_dispatch_whole_model_logits_within_fp8_error(worlds, layout):
+    """FP8 dispatch: the experts get the dequantised rows (3 mantissa bits to
+    bf16's 7), so the logits move by up to 2^4 times the bf16 bound of
+    test_bf16_whole_model_logits_within_bf16_rounding (2^-6 of their scale),
+    and by something: the rows did go through FP8."""
+    for rank, pair in enumerate(worlds("cpu", 2).run(t_bf16_forward, "mixtral", 11, torch.float8_e4m3fn, layout)):
+        if pair is None:
+            continue
+        before, after = (t.float() for t in pair)
+        err = (after - before).abs().max().item()
+        scale = before.abs().max().item()
+        assert 0 < err <= 2**-2 * scale, f"rank {rank}: logits differ by {err} at scale {scale}"

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from ..communicator import Communicator
+from ..fp8 import dequantize_fp8
 from ..ops import mark_dynamic_tokens
 from ..tp import TensorParallelMLP
 
@@ -269,11 +270,14 @@ class ExpertParallelMoEBlock(nn.Module):
         # Routing goes through in the router's dtypes (int64 ids; fp32 or
         # bf16 weights), which the HF experts expect.
         d = self.comm.dispatch(x, routing.topk_idx, routing.topk_weights, layout=self.layout)
+        # FP8 dispatch (a communicator made with dispatch_dtype): HF experts
+        # take the model's dtype, so the rows are dequantised first.
+        rows = d.x if d.x_scales is None else dequantize_fp8(d.x, d.x_scales, self.comm.dtype)
         # HF experts skip the id num_local_experts: every slot that names no
         # local expert takes it.
         n = self.comm.num_local_experts
         if self.layout == "rank":  # the library marks such slots (and padding rows' slots) -1
-            y = self.adapter.run_experts(self.experts, d.x, torch.where(d.topk_idx < 0, n, d.topk_idx),
+            y = self.adapter.run_experts(self.experts, rows, torch.where(d.topk_idx < 0, n, d.topk_idx),
                                          d.topk_weights)
         else:
             # Each row is one (token, local expert) pair, grouped by expert: a
@@ -283,7 +287,7 @@ class ExpertParallelMoEBlock(nn.Module):
             row = torch.arange(d.x.shape[0], device=d.x.device)
             expert = torch.searchsorted(offsets[1:], row, right=True).clamp_max(n - 1)
             pair = row < offsets[expert] + d.expert_counts[expert]
-            y = self.adapter.run_experts(self.experts, d.x, torch.where(pair, expert, n).unsqueeze(1),
+            y = self.adapter.run_experts(self.experts, rows, torch.where(pair, expert, n).unsqueeze(1),
                                          d.topk_weights.unsqueeze(1))
         out = self.comm.combine(y, d.handle)
         if self.adapter.shared is not None:
