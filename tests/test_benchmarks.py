@@ -79,6 +79,19 @@ def test_bench_moe_layer_times_both_layouts_against_the_baseline(tmp_path):
     assert all(x["p50_us"] > 0 and x["tokens"] == 8 for x in rows)
 
 
+def test_bench_ep_fp8_runs_beside_bf16_against_both_gathers(tmp_path):
+    out = tmp_path / "ep_fp8.jsonl"
+    r = run(str(ROOT / "benchmarks" / "bench_ep.py"), "--quick", *FAST, "--tokens", "8", "--hidden", "256",
+            "--dispatch-dtype", "bf16", "fp8", "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [x for x in map(json.loads, out.read_text().splitlines()) if x["type"] == "result"]
+    assert {(x["op"], x["backend"]) for x in rows} == {
+        ("dispatch+combine", "rdna4_comm"), ("dispatch+combine", "gloo"), ("dispatch+combine (fp8)", "rdna4_comm"),
+        ("dispatch+combine (fp8)", "gloo"), ("dispatch+combine (fp8)", "gloo_fp8")}
+    assert all(x["p50_us"] > 0 for x in rows)
+    assert "speedup of rdna4_comm over gloo_fp8" in r.stdout
+
+
 def test_bench_ep_cap_runs_a_decode_step_on_a_larger_capacity(tmp_path):
     out = tmp_path / "ep_cap.jsonl"
     cmd = [str(ROOT / "benchmarks" / "bench_ep.py"), "--quick", *FAST, "--tokens", "8", "--hidden", "256",

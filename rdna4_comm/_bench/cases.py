@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from .. import reference
 from ..communicator import Communicator
+from ..fp8 import DEFAULT_BLOCK as FP8_BLOCK, FP8_DTYPE, dequantize_fp8, quantize_fp8
 from .._checks import allreduce_case, assert_dispatched, assert_same, pattern
 from .._timing import Op, Stats
 from .._ranks import RankContext
@@ -173,6 +174,15 @@ def ep_ops(ctx: RankContext, comm: Communicator, tokens: int, seed: int = 0, lay
       [T, H], topk_idx and topk_weights, then reduce_scatter of the gathered
       x [W*T, H]. Checked: the gathers equal the concatenation of every rank's
       inputs, the reduce-scatter equals the sum over ranks of this rank's rows.
+
+    An FP8 communicator (``dispatch_dtype``): rdna4_comm dispatches x
+    quantised in the op, and the received rows are dequantised
+    (``rdna4_comm.dequantize_fp8``) before combine, as experts would take
+    them; a second baseline, ``<baseline>_fp8``, quantises x
+    (``rdna4_comm.quantize_fp8``), all_gathers the FP8 bytes, their scales
+    and the routing, dequantises and reduce-scatters. Checks: the FP8 bytes
+    and scales against rdna4_comm.reference (on whole 128-channel blocks of
+    the first columns), and the round trip against the dequantised x.
     """
     W, rank, dev, T = ctx.world, ctx.rank, ctx.device, tokens
     H, K, E, dtype, cap = comm.hidden, comm.topk, comm.num_experts, comm.dtype, comm.max_tokens_per_rank
@@ -184,17 +194,23 @@ def ep_ops(ctx: RankContext, comm: Communicator, tokens: int, seed: int = 0, lay
     n_dest = (owners.unsqueeze(-1) == torch.arange(W, device=dev)).any(1).sum(1)
     # ep_routing's ids are distinct within a token: K (token, expert) pairs each in the expert layout.
     per_token = n_dest if layout == "rank" else torch.full_like(n_dest, K)
-    round_trip = (x.float() * per_token.unsqueeze(1)).to(dtype)
+    fp8 = comm.dispatch_dtype is not None
+    # What the experts get: x, or the FP8 round trip of x.
+    rows_of_x = dequantize_fp8(*quantize_fp8(x), dtype) if fp8 else x
+    round_trip = (rows_of_x.float() * per_token.unsqueeze(1)).to(dtype)
 
     def run_rdna4():
         d = comm.dispatch(x, idx, w, layout=layout)
-        return d, comm.combine(d.x, d.handle)
+        return d, comm.combine(dequantize_fp8(d.x, d.x_scales, dtype) if fp8 else d.x, d.handle)
 
     def check_rdna4(result):
         d, out = result
         cols = min(H, max(1, EP_CHECK_BUDGET // (W * W * cap)))
+        if fp8 and cols < H:  # whole blocks: a block's scale depends on all its channels
+            cols = min(H, max(FP8_BLOCK, cols // FP8_BLOCK * FP8_BLOCK))
         xs = [pattern(r, T, cols, dtype, "cpu", bits=EP_BITS, width=H) for r in range(W)]
-        ref = reference.dispatch(xs, idxs, ws, num_experts=E, max_tokens_per_rank=cap)
+        ref = reference.dispatch(xs, idxs, ws, num_experts=E, max_tokens_per_rank=cap,
+                                 dispatch_dtype=comm.dispatch_dtype)
         part = f"[:, :{cols}]" if cols < H else ""
         if layout == "rank":
             assert_dispatched(d, ref[rank], "dispatch vs reference:", cols)
@@ -203,7 +219,8 @@ def ep_ops(ctx: RankContext, comm: Communicator, tokens: int, seed: int = 0, lay
             for field in ("expert_counts", "expert_offsets"):
                 assert_same(getattr(d, field), getattr(mine, field), f"dispatch {field} vs reference")
             assert_same(d.handle.expert_rows_of, mine.handle.expert_rows_of, "handle.expert_rows_of vs reference")
-        expected = reference.combine([r.x for r in ref], ref)[rank]
+        expert_rows = [dequantize_fp8(r.x, r.x_scales, dtype) if fp8 else r.x for r in ref]
+        expected = reference.combine(expert_rows, ref)[rank]
         if layout == "rank":
             assert_same(out[:, :cols], expected, f"combine{part} vs reference")
         assert_same(out, round_trip, "combine(dispatch(x).x) == x * " + ("destination ranks" if layout == "rank"
@@ -230,12 +247,38 @@ def ep_ops(ctx: RankContext, comm: Communicator, tokens: int, seed: int = 0, lay
         assert_same(wg, torch.cat(ws).to(dev), "all_gather topk_weights")
         assert_same(out, reference.all_reduce([x] * W), f"{rs_how}: sum over ranks of this rank's rows")
 
-    return [
+    ops = [
         Op("rdna4_comm", run_rdna4, check_rdna4,
-           detail=f"dispatch(x, topk_idx, topk_weights, layout={layout!r}) + combine(dispatched x, handle)"),
+           detail=f"dispatch(x, topk_idx, topk_weights, layout={layout!r}) + combine(" +
+                  ("dequantize_fp8(d.x, d.x_scales), handle); FP8 dispatch" if fp8 else "dispatched x, handle)")),
         Op(ctx.baseline, run_baseline, check_baseline,
            detail=f"all_gather x, topk_idx, topk_weights + {rs_how} of the gathered x"),
     ]
+    if fp8:
+        qg = torch.empty(W * T, H, dtype=torch.uint8, device=dev)
+        sg = torch.empty(W * T, -(-H // FP8_BLOCK), dtype=torch.float32, device=dev)
+
+        def run_fp8_baseline():
+            q, scales = quantize_fp8(x)
+            _all_gather(qg, q.view(torch.uint8), group=ctx.group)
+            _all_gather(sg, scales, group=ctx.group)
+            _all_gather(ig, idx, group=ctx.group)
+            _all_gather(wg, w, group=ctx.group)
+            reduce_scatter(rs_out, dequantize_fp8(qg.view(FP8_DTYPE), sg, dtype))
+            return qg, sg, rs_out
+
+        def check_fp8_baseline(result):
+            qg, sg, out = result
+            for r in range(W):
+                q, scales = quantize_fp8(pattern(r, T, H, dtype, dev, bits=EP_BITS))
+                assert_same(qg[r * T:(r + 1) * T], q.view(torch.uint8), f"all_gather of rank {r}'s FP8 rows")
+                assert_same(sg[r * T:(r + 1) * T], scales, f"all_gather of rank {r}'s scales")
+            assert_same(out, reference.all_reduce([rows_of_x] * W), f"{rs_how}: sum over ranks of this rank's rows")
+
+        ops.append(Op(f"{ctx.baseline}_fp8", run_fp8_baseline, check_fp8_baseline,
+                      detail=f"quantize_fp8(x); all_gather of the FP8 bytes, scales, topk_idx, topk_weights; "
+                             f"dequantize_fp8 + {rs_how}"))
+    return ops
 
 
 # ------------------------------------------------------ all_reduce_rmsnorm
