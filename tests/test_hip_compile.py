@@ -98,8 +98,8 @@ def test_every_kernel_is_there(gfx1201_asm):
             assert k in names, f"{k} missing from {source}"
     # The top-k 8 fast path and the generic path, for int32 and int64 ids,
     # with 16-byte and 2-byte row vectors; and FP8 rows, quantised or a
-    # pair's, for int32 and int64 ids.
-    assert len([n for n in kernels(gfx1201_asm["dispatch.cu"]) if "dispatch_kernel" in n]) == 8 + 4
+    # pair's, for int32 and int64 ids, with 16-byte and 1-byte row vectors.
+    assert len([n for n in kernels(gfx1201_asm["dispatch.cu"]) if "dispatch_kernel" in n]) == 8 + 8
     # One combine kernel per dtype.
     assert len([n for n in kernels(gfx1201_asm["combine.cu"]) if "combine_kernel" in n]) == 3
     # Rows in registers, rows of vectors, rows of elements, for three dtypes.

@@ -30,10 +30,24 @@ struct DispatchShared {
 // from x (fp8.h); or an FP8 pair's bytes and scales (DispatchArgs::x_scales).
 enum PayloadMode : int { kRowsAsIs = 0, kQuantizeFp8 = 1, kFp8Pair = 2 };
 
-// Units of a row in the row loops: vectors of V, or FP8 lanes (fp8_rows.cuh).
-template <bool kFp8, typename V>
+// Units of a row in the row loops: vectors of V of the row's bytes (an FP8
+// row's q bytes; its scales go with the row's lead warp, copy_scales), or,
+// where the row is quantised, FP8 lanes (fp8_rows.cuh).
+template <int kMode, typename V>
 RC_DEVICE uint32_t row_units(const Layout& L) {
-  return kFp8 ? fp8_row_units(L.hidden) : uint32_t(L.hidden * L.elt / int64_t(sizeof(V)));
+  if constexpr (kMode == kQuantizeFp8) return fp8_row_units(L.hidden);
+  return uint32_t(L.hidden * (kMode == kRowsAsIs ? L.elt : 1) / int64_t(sizeof(V)));
+}
+
+// An FP8 row's n scales from src to scales_of(d) for every rank d in
+// `mask`, by the warp whose piece starts the row (s.lead: lanes k = lane,
+// lane + stride, ...). kInput: src is an op's input.
+template <bool kInput, typename ScalesOf>
+RC_DEVICE void copy_scales(const float* src, int64_t n, ScalesOf scales_of, uint32_t mask, const RowSpan& s) {
+  for (int64_t k = s.first; k < n; k += s.stride) {
+    const float v = kInput ? load_input(src + k) : src[k];
+    for (uint32_t m = mask; m != 0; m &= m - 1) scales_of(lowest_bit(m))[k] = v;
+  }
 }
 
 // Exact for every weight that came in that dtype (the heap carries fp32).
@@ -71,7 +85,7 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
   // Token indices fit 32 bits (kMaxGpuTokensPerRank): less state to keep.
   const int32_t T = int32_t(a.ntok), C = int32_t(lp.own_block_tokens);
   const int32_t t0 = b * C, t1 = t0 + C < T ? t0 + C : T;
-  const uint32_t nvec = row_units<kFp8, V>(L);
+  const uint32_t nvec = row_units<kMode, V>(L);
   const char* x = static_cast<const char*>(a.x);
   char* out_x = static_cast<char*>(a.out_x);
   IdxT* out_idx = static_cast<IdxT*>(a.out_idx);
@@ -203,11 +217,12 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
         auto scales_at = [&](int d) {
           return d == me ? a.out_scales + (self_base + row_index(d)) * S : L.row_scales(row_at(d));
         };
-        if constexpr (kMode == kRowsAsIs) copy_row<V, true>(x + tok * in_row, row_at, tm, s);
-        else if constexpr (kMode == kQuantizeFp8)
+        if constexpr (kMode == kQuantizeFp8) {
           quantize_fp8_row(x + tok * in_row, a.x_dtype, H, a.fp8_vectors, row_at, scales_at, tm, s);
-        else
-          copy_fp8_row<true>(x + tok * in_row, a.x_scales + tok * S, H, a.fp8_vectors, row_at, scales_at, tm, s);
+        } else {
+          copy_row<V, true>(x + tok * in_row, row_at, tm, s);
+          if (kMode == kFp8Pair && s.lead) copy_scales<true>(a.x_scales + tok * S, S, scales_at, tm, s);
+        }
         if (!s.lead) return;
 #pragma unroll
         for (int i = 0; i < kSlotsPerLane; ++i) {
@@ -295,7 +310,7 @@ RC_DEVICE bool dispatch_receiver(const Env& env, const DispatchArgs& a, Dispatch
   const Layout& L = env.layout;
   const int me = env.rank, W = env.world, tid = threadIdx.x;
   const int64_t H = L.hidden, S = L.fp8_scales, payload = kFp8 ? H : H * L.elt, K = L.topk, cap = L.cap;
-  const uint32_t nvec = row_units<kFp8, V>(L);
+  const uint32_t nvec = row_units<kFp8 ? kFp8Pair : kRowsAsIs, V>(L);  // a received row is its bytes
   char* out_x = static_cast<char*>(a.out_x);
   IdxT* out_idx = static_cast<IdxT*>(a.out_idx);
 
@@ -334,11 +349,8 @@ RC_DEVICE bool dispatch_receiver(const Env& env, const DispatchArgs& a, Dispatch
       const int64_t o = sh.src.offset[s] + hr;                // its output row
       char* row = L.dispatch_row(env.data[me], gen, s, hr);
       auto out_row = [&](int) { return out_x + o * payload; };
-      if constexpr (kFp8)
-        copy_fp8_row<false>(row, L.row_scales(row), H, a.fp8_vectors, out_row,
-                            [&](int) { return a.out_scales + o * S; }, 1u, rs);
-      else
-        copy_row<V, false>(row, out_row, 1u, rs);
+      copy_row<V, false>(row, out_row, 1u, rs);
+      if (kFp8 && rs.lead) copy_scales<false>(L.row_scales(row), S, [&](int) { return a.out_scales + o * S; }, 1u, rs);
       if (!rs.lead) return;
       for (int k = int(rs.first); k < K; k += int(rs.stride)) {
         out_idx[o * K + k] = IdxT(L.row_ids(row)[k]);
@@ -401,12 +413,16 @@ void launch_dispatch(const Env& env, const DispatchArgs& a, Stream s) {
   const int blocks = g.send_blocks + g.recv_blocks;
   auto go = [&](auto kernel) { launch("dispatch", kernel, blocks, s, env, a, lp); };
   if (env.layout.fp8_scales > 0) {
-    // FP8 rows: the generic top-k loop, one kernel per input form (the row vector is unused).
-    const bool pair = a.x_scales != nullptr;
-    if (a.idx_is_int64)
-      pair ? go(dispatch_kernel<int64_t, 0, uint4, kFp8Pair>) : go(dispatch_kernel<int64_t, 0, uint4, kQuantizeFp8>);
-    else
-      pair ? go(dispatch_kernel<int32_t, 0, uint4, kFp8Pair>) : go(dispatch_kernel<int32_t, 0, uint4, kQuantizeFp8>);
+    // FP8 rows: the generic top-k loop, one kernel per input form; their q
+    // bytes move in 16-byte vectors where the rows and pointers allow it,
+    // else byte by byte.
+    const bool pair = a.x_scales != nullptr, v16 = widest_vector(env.layout.hidden, {a.x, a.out_x}) == 16;
+    auto fp8 = [&](auto idx) {
+      using IdxT = typename decltype(idx)::type;
+      if (pair) v16 ? go(dispatch_kernel<IdxT, 0, uint4, kFp8Pair>) : go(dispatch_kernel<IdxT, 0, uint8_t, kFp8Pair>);
+      else v16 ? go(dispatch_kernel<IdxT, 0, uint4, kQuantizeFp8>) : go(dispatch_kernel<IdxT, 0, uint8_t, kQuantizeFp8>);
+    };
+    a.idx_is_int64 ? fp8(VecTag<int64_t>{}) : fp8(VecTag<int32_t>{});
     return;
   }
   // A row vector of 16 bytes where rows and pointers allow it, else 2-byte pieces.

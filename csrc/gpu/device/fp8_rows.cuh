@@ -1,4 +1,5 @@
-// FP8 rows in the row loops of rows.cuh: a row of H channels is
+// FP8 quantisation in the row loops of rows.cuh (a row that is already FP8
+// moves as its bytes, with copy_row): a row of H channels is
 // fp8_num_scales(H) blocks of kFp8Block channels (fp8.h), and a block is one
 // warp width of units, so a warp's piece (a whole number of warp widths,
 // for_row_pieces) takes whole blocks: lane l holds channels [block *
@@ -67,19 +68,7 @@ RC_DEVICE void load_lane(const void* x, DType t, const Fp8Lane& l, bool vec, flo
   for (int i = 0; i < kFp8LaneChannels; ++i) v[i] = i < l.count ? load_as_float(x, l.first + i, t) : 0.f;
 }
 
-// This lane's FP8 bytes of a row, to or from memory.
-template <bool kInput>
-RC_DEVICE uint32_t load_lane_bytes(const uint8_t* q, const Fp8Lane& l, bool vec) {
-  if (vec && l.count == 4) {
-    const uint32_t* p = reinterpret_cast<const uint32_t*>(q + l.first);
-    return kInput ? load_input(p) : *p;
-  }
-  uint32_t b = 0;
-#pragma unroll
-  for (int i = 0; i < kFp8LaneChannels; ++i)
-    if (i < l.count) b |= uint32_t(kInput ? load_input(q + l.first + i) : q[l.first + i]) << (8 * i);
-  return b;
-}
+// This lane's FP8 bytes of a row to memory.
 RC_DEVICE void store_lane_bytes(uint8_t* q, const Fp8Lane& l, bool vec, uint32_t b) {
   if (vec && l.count == 4) {
     *reinterpret_cast<uint32_t*>(q + l.first) = b;
@@ -128,36 +117,6 @@ RC_DEVICE void quantize_fp8_row(const void* x, DType t, int64_t hidden, bool vec
         const int d = lowest_bit(m);
         store_lane_bytes(reinterpret_cast<uint8_t*>(q_of(d)), l[u], vec, q);
         if (l[u].lead) scales_of(d)[l[u].block] = scale;
-      }
-    }
-  }
-}
-
-// The blocks of span `s` of an FP8 row (bytes q, scales) as they are, to
-// q_of(d) and scales_of(d) for every rank d in `mask`. kInput: the row is an
-// op's input (load_input); else heap memory a peer wrote in this op.
-template <bool kInput, typename QOf, typename ScalesOf>
-RC_DEVICE void copy_fp8_row(const char* q, const float* scales, int64_t hidden, bool vector, QOf q_of,
-                            ScalesOf scales_of, uint32_t mask, const RowSpan& s) {
-  const bool vec = fp8_lane_vectors(vector);
-  for (uint32_t v0 = s.first; v0 < s.end; v0 += s.stride * kFp8Unroll) {
-    Fp8Lane l[kFp8Unroll];
-    uint32_t b[kFp8Unroll];
-    float scale[kFp8Unroll];
-#pragma unroll
-    for (int u = 0; u < kFp8Unroll; ++u) {
-      l[u] = fp8_lane(v0 + u * s.stride, s, hidden);
-      b[u] = load_lane_bytes<kInput>(reinterpret_cast<const uint8_t*>(q), l[u], vec);
-      const bool lead = l[u].lead && l[u].count > 0;
-      scale[u] = lead ? (kInput ? load_input(scales + l[u].block) : scales[l[u].block]) : 0.f;
-    }
-    for (uint32_t m = mask; m != 0; m &= m - 1) {
-      const int d = lowest_bit(m);
-#pragma unroll
-      for (int u = 0; u < kFp8Unroll; ++u) {
-        if (l[u].count == 0) continue;
-        store_lane_bytes(reinterpret_cast<uint8_t*>(q_of(d)), l[u], vec, b[u]);
-        if (l[u].lead) scales_of(d)[l[u].block] = scale[u];
       }
     }
   }
