@@ -98,20 +98,20 @@ def _dispatch_expert_fake(x, topk_idx, topk_weights, order, comm):
     return tuple(_new_output(x, spec, tokens) for spec in specs)
 
 
+def _with_scales(outputs: tuple, x, x_scales, comm: str, expert_layout: bool) -> tuple:
+    """An FP8 dispatch's outputs: those of its layout's op, then x_scales."""
+    _check_devices(comm, "dispatch", x_scales=x_scales)
+    return (*outputs, _new_output(x, _C.dispatch_scales_output(comm, expert_layout), math.prod(x.shape[:-1])))
+
+
 @torch.library.register_fake("rdna4_comm::dispatch_fp8")
 def _dispatch_fp8_fake(x, x_scales, topk_idx, topk_weights, order, comm):
-    _check_devices(comm, "dispatch", x=x, x_scales=x_scales, topk_idx=topk_idx, topk_weights=topk_weights,
-                   order=order)
-    return (*_dispatch_fake(x, topk_idx, topk_weights, order, comm),
-            _new_output(x, _C.dispatch_scales_output(comm, False), math.prod(x.shape[:-1])))
+    return _with_scales(_dispatch_fake(x, topk_idx, topk_weights, order, comm), x, x_scales, comm, False)
 
 
 @torch.library.register_fake("rdna4_comm::dispatch_expert_fp8")
 def _dispatch_expert_fp8_fake(x, x_scales, topk_idx, topk_weights, order, comm):
-    _check_devices(comm, "dispatch", x=x, x_scales=x_scales, topk_idx=topk_idx, topk_weights=topk_weights,
-                   order=order)
-    return (*_dispatch_expert_fake(x, topk_idx, topk_weights, order, comm),
-            _new_output(x, _C.dispatch_scales_output(comm, True), math.prod(x.shape[:-1])))
+    return _with_scales(_dispatch_expert_fake(x, topk_idx, topk_weights, order, comm), x, x_scales, comm, True)
 
 
 @torch.library.register_fake("rdna4_comm::combine_expert")

@@ -3,7 +3,8 @@ transport sends the bytes of rdna4_comm.quantize_fp8, bitwise, whether the
 op quantises x or takes a (q, scales) pair; in the rank and the expert
 layout; property-based (dtypes, H not a multiple of 128, odd H, top-k,
 token counts 0..cap), back to back, compiled, opcheck, and bad inputs that
-leave the communicator usable."""
+leave the communicator usable (with the catalogue's rows for FP8 in
+tests/test_bad_inputs.py)."""
 from __future__ import annotations
 
 import pytest
@@ -172,34 +173,6 @@ def test_empty_and_bad_inputs(world_small):
     for errors, _ in world_small.run(t_empty_and_bad_inputs, fp8_config(4, 200, 2, 2 * world_small.size)):
         for name, (ok, message) in errors.items():
             assert ok, (name, message)
-
-
-def t_pair_to_bf16_comm(ctx):
-    comm = ctx.comm(max_tokens_per_rank=2, hidden=8, topk=1, num_experts=ctx.world)
-    q, s = rc.quantize_fp8(torch.ones(1, 8))
-    try:
-        comm.dispatch((q, s), torch.zeros(1, 1, dtype=torch.long))
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-def test_pair_needs_an_fp8_communicator(world_small):
-    for message in world_small.run(t_pair_to_bf16_comm):
-        assert message is not None and "dispatch_dtype=torch.float8_e4m3fn" in message, message
-
-
-def t_unsupported_dispatch_dtype(ctx):
-    try:
-        ctx.comm(max_tokens_per_rank=2, hidden=8, topk=1, num_experts=ctx.world, dispatch_dtype=torch.float8_e5m2)
-    except TypeError as e:
-        return str(e)
-    return None
-
-
-def test_unsupported_dispatch_dtype(world_small):
-    for message in world_small.run(t_unsupported_dispatch_dtype):
-        assert message is not None and "dispatch_dtype must be None or torch.float8_e4m3fn" in message, message
 
 
 def t_opcheck(ctx, cfg):
