@@ -1,5 +1,5 @@
 """GPU-only properties: CUDA/HIP graph capture and replay with inputs changed
-in place between replays and eager calls interleaved, and
+in place between replays and eager calls interleaved (FP8 dispatch too), and
 torch.compile(mode="reduce-overhead"). Every other property runs on the GPU
 worlds through the shared tests (test_allreduce, test_ep, test_moe,
 test_lifecycle)."""
@@ -10,6 +10,7 @@ import torch
 from common import assert_bitwise, assert_dispatched, ep_inputs, expert_fn, rand, received_rows
 from conftest import GPU_WORLDS
 
+import rdna4_comm as rc
 from rdna4_comm import reference
 
 pytestmark = pytest.mark.skipif(not GPU_WORLDS, reason="needs 2+ GPUs and a GPU build")
@@ -118,6 +119,51 @@ def test_every_dispatch_field_under_replay(worlds):
         ref = reference.dispatch(list(xs), idxs, list(ws), num_experts=cfg["num_experts"], max_tokens_per_rank=CAP)
         for r in range(W):
             assert_dispatched(per_rank[r][k], ref[r], f"replay {i} rank {r}")
+
+
+def t_fp8_dispatch_in_graph(ctx):
+    """FP8 dispatch captured, x quantised in the op (rank layout) and a pair
+    quantised inside the graph (expert layout): each replay sends the bytes
+    of the new rows. FP8 tensors do not pickle: their bytes come back."""
+    comm = ctx.comm(**graph_cfg(ctx.world), dispatch_dtype=torch.float8_e4m3fn)
+    x, idx, w, _ = (t.to(ctx.device) for t in replay_inputs(ctx.rank, ctx.world, 7))
+
+    def step():
+        return comm.dispatch(x, idx, w), comm.dispatch(rc.quantize_fp8(x), idx, w, layout="expert")
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        d, e = step()
+    outs = []
+    for i in (7, 8, 9):
+        for static, new in zip((x, idx, w), replay_inputs(ctx.rank, ctx.world, i)[:3]):
+            static.copy_(new)
+        graph.replay()
+        n, m = int(d.counts.sum()), int(e.expert_offsets[-1])
+        outs.append((d.x.view(torch.uint8)[:n].clone(), d.x_scales[:n].clone(),
+                     e.x.view(torch.uint8)[:m].clone(), e.x_scales[:m].clone()))
+    ctx.sync()
+    return outs
+
+
+def test_fp8_dispatch_under_replay(worlds):
+    W = GPU_WORLDS[0][1]
+    per_rank = worlds("gpu", W).run(t_fp8_dispatch_in_graph)
+    cfg = graph_cfg(W)
+    kw = dict(num_experts=cfg["num_experts"], max_tokens_per_rank=CAP, dispatch_dtype=torch.float8_e4m3fn)
+    for k, i in enumerate((7, 8, 9)):
+        xs, idxs, ws = (list(t) for t in zip(*(replay_inputs(r, W, i)[:3] for r in range(W))))
+        ref, ref_e = reference.dispatch(xs, idxs, ws, **kw), reference.dispatch(xs, idxs, ws, layout="expert", **kw)
+        for r in range(W):
+            q, s, eq, es = per_rank[r][k]
+            n, m = int(ref[r].counts.sum()), int(ref_e[r].expert_offsets[-1])
+            what = f"replay {i} rank {r}"
+            assert_bitwise(q, ref[r].x.view(torch.uint8)[:n], what + " x")
+            assert_bitwise(s, ref[r].x_scales[:n], what + " x_scales")
+            assert_bitwise(eq, ref_e[r].x.view(torch.uint8)[:m], what + " expert layout x")
+            assert_bitwise(es, ref_e[r].x_scales[:m], what + " expert layout x_scales")
 
 
 # ------------------------------------------------------------ stream order
