@@ -114,7 +114,8 @@ class Communicator:
             the bytes; combine stays in ``dtype``.
 
     Heap size per rank: about ``4 * W * allreduce_slot_bytes`` plus, with EP
-    fields, ``2 * W * cap * (2*H*elt + 8*K + 4)`` bytes.
+    fields, ``2 * W * cap * (2*H*elt + 8*K + 4)`` bytes (FP8 dispatch:
+    ``H*elt + H + 4*ceil(H/128)`` in place of ``2*H*elt``).
 
     Ordering: every rank issues a communicator's ops in the same order, and
     on one rank they run in stream order (issue them on one stream; each op's
