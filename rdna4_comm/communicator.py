@@ -3,7 +3,6 @@ which algorithm they take: rdna4_comm.algorithms)."""
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import warnings
 import weakref
@@ -15,10 +14,10 @@ import torch.distributed as dist
 
 from . import _C
 from ._rendezvous import Rendezvous
+from ._ep_methods import EpMethods
 from .fp8 import FP8_DTYPE
-from .results import DispatchHandle, Dispatched, ExpertDispatched
 from .transport_policy import RankReport, TransportChoice, choose_transport, host_identity, rank_report, shared_gpus_allowed
-from .ops import order_token
+from .ops import op_callable, order_token
 
 EP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Long enough for one rank to compile a model cold while its peers already
@@ -30,29 +29,13 @@ TRANSPORTS = ("auto", "gpu", "cpu", "dist")
 TRANSPORT_ENV = "RDNA4_COMM_TRANSPORT"
 
 _ids = itertools.count()
-# The ops' packet; the methods call its .default overloads directly (no
-# overload resolution per call) where torch.compile traces them, and the
-# callables behind those overloads (OpOverload.op) in eager calls, which
-# skips a Python frame per call (OpOverload.__call__: 0.27 of the 2.5 us an
-# eager combine of no tokens costs on the CPU transport of a 2-core machine).
-_OPS = torch.ops.rdna4_comm
-_EAGER = {name: getattr(_OPS, name).default.op
-          for name in ("all_reduce", "all_reduce_rmsnorm", "dispatch", "combine", "dispatch_expert", "combine_expert",
-                       "dispatch_fp8", "dispatch_expert_fp8")}
-LAYOUTS = ("rank", "expert")
-
-
-def _op(name: str):
-    return getattr(_OPS, name).default if torch.compiler.is_compiling() else _EAGER[name]
-
-
 def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"Communicator: {name} must be a positive int, got {value!r}")
     return value
 
 
-class Communicator:
+class Communicator(EpMethods):
     """Communicator over peer-to-peer memory between the ranks of one host,
     or over torch.distributed collectives ("dist") anywhere.
 
@@ -333,7 +316,7 @@ class Communicator:
             ``rdna4_comm.allreduce_algorithm``.
         """
         self._check_open()
-        return _op("all_reduce")(x, self._order, self.id)
+        return op_callable("all_reduce")(x, self._order, self.id)
 
     def all_reduce_rmsnorm(
         self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float = 1e-6
@@ -362,7 +345,7 @@ class Communicator:
         self._check_open()
         if not isinstance(eps, (float, int)) or isinstance(eps, bool):
             raise TypeError(f"all_reduce_rmsnorm: eps must be a float, got {type(eps).__name__}")
-        return _op("all_reduce_rmsnorm")(x, residual, weight, float(eps), self._order, self.id)
+        return op_callable("all_reduce_rmsnorm")(x, residual, weight, float(eps), self._order, self.id)
 
     def fused_path_counts(self) -> dict[str, int]:
         """Calls of :meth:`all_reduce_rmsnorm` on this rank by path ("one_stage",
@@ -370,123 +353,6 @@ class Communicator:
         of them kept each row in registers (GPU transport)."""
         self._check_open()
         return _C.rmsnorm_path_counts(self.id)
-
-    def dispatch(
-        self, x, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor] = None, *,
-        layout: str = "rank",
-    ):
-        """Send every token to the ranks that own its experts. Collective.
-
-        Args:
-            x: [..., H] of the communicator dtype, contiguous: its leading
-                dimensions are the tokens (e.g. [T, H] or [B, S, H]), at most
-                ``cap`` of them. The token count may differ between ranks and
-                may be 0. An FP8 communicator (``dispatch_dtype``) quantises
-                it inside the op, bitwise as :func:`rdna4_comm.quantize_fp8`
-                does, or takes the pair ``(q, scales)`` that function returns:
-                q [..., H] torch.float8_e4m3fn and scales [..., ceil(H / 128)]
-                torch.float32 (or [T, ...]), contiguous; they travel as given.
-            topk_idx: torch.int32 or torch.int64 global expert ids of shape
-                ``x.shape[:-1] + (K,)`` or [T, K]. Ids < 0 or >= num_experts are
-                dropped (the slot routes nowhere).
-            topk_weights: torch.float32, torch.bfloat16 or torch.float16 of
-                topk_idx's shape, or None.
-            layout: ``"rank"`` (default) or ``"expert"``.
-
-        Returns:
-            ``"rank"``: :class:`Dispatched`, its routing in the dtypes given. A
-            token reaches a rank once however many of its experts live
-            there: one row per (token, destination rank).
-            ``"expert"``: :class:`ExpertDispatched`, the same rows grouped by
-            local expert: one row per (token, local expert) pair, with
-            per-expert counts and offsets on the device.
-            FP8 dispatch: ``x`` is torch.float8_e4m3fn and ``x_scales`` holds
-            its scales, the bytes that were sent.
-        """
-        # The C++ op checks everything else, EP fields included.
-        self._check_open()
-        x_scales = None
-        if not isinstance(x, torch.Tensor):
-            x, x_scales = self._fp8_pair(x)
-        tokens = x.shape[:-1]
-        fp8 = self._fp8
-        if layout == "expert":
-            if fp8:
-                *out, scales = _op("dispatch_expert_fp8")(x, x_scales, topk_idx, topk_weights, self._order, self.id)
-            else:
-                out, scales = _op("dispatch_expert")(x, topk_idx, topk_weights, self._order, self.id), None
-            rx, ecounts, eoffsets, rw, recv_src, counts, src_tokens, send_mask, rows_of = out
-            handle = DispatchHandle(recv_src, counts, src_tokens, send_mask, self.id, tokens, rows_of)
-            return ExpertDispatched(rx, ecounts, eoffsets, rw if topk_weights is not None else None, handle, scales)
-        if layout != "rank":
-            raise ValueError(f"dispatch: layout must be one of {LAYOUTS}, got {layout!r}")
-        if fp8:
-            *out, scales = _op("dispatch_fp8")(x, x_scales, topk_idx, topk_weights, self._order, self.id)
-        else:
-            out, scales = _op("dispatch")(x, topk_idx, topk_weights, self._order, self.id), None
-        rx, ridx, rw, counts, recv_src, src_tokens, send_mask = out
-        handle = DispatchHandle(recv_src, counts, src_tokens, send_mask, self.id, tokens)
-        return Dispatched(rx, ridx, rw if topk_weights is not None else None, counts, handle, scales)
-
-    def _fp8_pair(self, pair) -> tuple:
-        """dispatch's x when it is not a tensor: a (q, scales) pair for an FP8 communicator."""
-        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-            got = f"a sequence of {len(pair)}" if isinstance(pair, (tuple, list)) else type(pair).__name__
-            raise TypeError(f"dispatch: x must be a tensor or a (q, scales) pair from rdna4_comm.quantize_fp8, got {got}")
-        if not self._fp8:
-            raise ValueError(f"dispatch: a (q, scales) pair needs a communicator made with "
-                             f"dispatch_dtype={FP8_DTYPE}; this one dispatches {self.dtype}")
-        return tuple(pair)
-
-    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """Return expert results to the tokens' source ranks and sum them. Collective.
-
-        Args:
-            y: [W*cap, H] of the communicator dtype, one result row per row that
-                dispatch delivered here (the expert side has already applied the
-                routing weights and reduced its local experts into that row).
-                Padding rows are ignored. For an expert-layout handle,
-                [comm.expert_rows, H]: one row per (token, local expert)
-                pair, already weighted; each received row's pairs are summed
-                first, in fp32 in ascending expert order, rounded once.
-            handle: ``Dispatched.handle`` (or ``ExpertDispatched.handle``) of the
-                matching dispatch.
-
-        Returns:
-            ``handle.token_shape + (H,)`` (dispatch's x shape) of y's dtype: for
-            every local token t, the sum over its destination ranks r,
-            ascending, of ``y_r[row_r(t)]``, accumulated in float32 and rounded
-            once. Tokens routed nowhere give zeros.
-        """
-        self._check_open()
-        if not isinstance(handle, DispatchHandle):
-            raise TypeError(f"combine: handle must be a DispatchHandle (Dispatched.handle), got {type(handle).__name__}")
-        if handle.comm_id != self.id:
-            raise ValueError(
-                f"combine: handle comes from communicator {handle.comm_id!r}, not from this one ({self.id!r})"
-            )
-        # Sizes only (no device read, no guard under torch.compile); the C++ op
-        # checks every other field (docs/semantics.md, "Bad handles").
-        compiling = torch.compiler.is_compiling()
-        shape = handle.token_shape
-        # numel() of the Size and of the 1-D mask: the cheapest sizes Python has.
-        if not compiling and math.prod(shape) != handle.send_mask.numel():
-            raise ValueError(
-                f"combine: handle.token_shape {tuple(shape)} holds {math.prod(shape)} "
-                f"tokens but handle.send_mask has {handle.send_mask.shape[0]}: the fields come from different dispatches"
-            )
-        if handle.expert_rows_of is not None:
-            out = (_OPS.combine_expert.default if compiling else _EAGER["combine_expert"])(
-                y, handle.expert_rows_of, handle.recv_src, handle.counts, handle.src_tokens, handle.send_mask,
-                self._order, self.id
-            )
-        else:
-            out = (_OPS.combine.default if compiling else _EAGER["combine"])(
-                y, handle.recv_src, handle.counts, handle.src_tokens, handle.send_mask, self._order, self.id
-            )
-        # The op returns [T, H]: a flat dispatch needs no view (an op call of
-        # its own, on the eager path's host time).
-        return out if len(shape) == 1 else out.view(*shape, self.hidden)
 
     # ---------------------------------------------------------- lifecycle
 
