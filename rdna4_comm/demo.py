@@ -11,7 +11,8 @@ every process:
    dispatch, local experts, combine) against the single-process
    rdna4_comm.moe.dense_moe, within bf16 rounding;
 3. a raw dispatch -> combine round trip, bitwise equal to
-   rdna4_comm.reference.dispatch/combine;
+   rdna4_comm.reference.dispatch/combine, and the same with FP8 dispatch
+   (Communicator(dispatch_dtype=torch.float8_e4m3fn));
 4. a tensor-parallel MLP block (rdna4_comm.tp.TensorParallelMLP.forward_norm: sharded
    matmuls, then all_reduce_rmsnorm into the next norm) against the
    single-process rdna4_comm.tp.dense_mlp_block, within bf16 rounding;
@@ -91,6 +92,18 @@ def check_round_trip(ctx, comm) -> str:
     return f"{CAP} tokens x {HIDDEN}: every dispatch output and the combine result bitwise equal to the reference"
 
 
+def check_fp8_round_trip(ctx, comm) -> str:
+    """FP8 dispatch (x quantised in the op) -> dequantised rows -> combine:
+    the FP8 bytes and scales bitwise equal to the reference's, combine to
+    reference.combine of the dequantised rows."""
+    with Communicator(ctx.cpu_group, max_tokens_per_rank=CAP, hidden=HIDDEN, topk=TOPK, num_experts=EXPERTS,
+                      dtype=torch.bfloat16, transport=ctx.transport, dispatch_dtype=torch.float8_e4m3fn) as fp8:
+        op = ep_ops(ctx, fp8, CAP)[0]
+        op.check(op.run())
+    return (f"{CAP} tokens x {HIDDEN}, {HIDDEN + 4 * -(-HIDDEN // 128)} payload bytes a row (bf16: {2 * HIDDEN}): "
+            "FP8 rows, scales and the combine bitwise equal to the reference")
+
+
 def check_tp(ctx, comm) -> str:
     """TensorParallelMLP over the ranks equals dense_mlp_block within bf16 rounding."""
     weights = init_tp_weights(2, TP_HIDDEN, TP_FFN)
@@ -129,6 +142,7 @@ CHECKS = [
     ("all_reduce", check_all_reduce),
     ("MoE layer (dispatch -> experts -> combine) vs dense_moe", check_moe),
     ("dispatch/combine round trip", check_round_trip),
+    ("FP8 dispatch/combine round trip", check_fp8_round_trip),
     ("tensor-parallel MLP block (all_reduce_rmsnorm) vs dense_mlp_block", check_tp),
 ]
 

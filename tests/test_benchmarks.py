@@ -30,7 +30,7 @@ def test_demo_checks_pass_and_prints_a_latency_table():
     r = run("-m", "rdna4_comm.demo", *FAST)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "world of 2 (CPU processes" in r.stdout
-    assert r.stdout.count("  ok    ") == 4 and "FAIL" not in r.stdout
+    assert r.stdout.count("  ok    ") == 5 and "FAIL" not in r.stdout
     assert "TP MLP block" in r.stdout and "rdna4_comm_unfused p50 us" in r.stdout
     assert "rdna4_comm p50 us" in r.stdout and "gloo p50 us" in r.stdout
     assert "demo: all checks passed" in r.stdout
