@@ -261,11 +261,23 @@ class CpuComm final : public Comm {
     const char* xp = static_cast<const char*>(x.data_ptr());
     float* scales_out = S ? out.x_scales.data_ptr<float>() : nullptr;
     // Token t's row, and an FP8 row's scales, as they travel: x's bytes, or
-    // FP8 quantised here from x in dtype.
+    // FP8 quantised here from x in dtype, once per token (the last token's
+    // quantised row is kept for its other destinations).
+    std::vector<char> quantised(S && !x_scales ? size_t(H) : 0);
+    std::vector<float> quantised_scales(quantised.empty() ? 0 : size_t(S));
+    int64_t quantised_token = -1;
     auto put_row = [&](int64_t t, char* row, float* scales) {
-      if (S && !x_scales) return cpu::quantize_fp8_row(x.scalar_type(), xp + t * in_row, H, row, scales);
-      std::memcpy(row, xp + t * in_row, size_t(payload));
-      if (S) std::memcpy(scales, x_scales + t * S, size_t(S) * 4);
+      const char* src = xp + t * in_row;
+      const float* src_scales = x_scales ? x_scales + t * S : nullptr;
+      if (!quantised.empty()) {
+        if (quantised_token != t)
+          cpu::quantize_fp8_row(x.scalar_type(), src, H, quantised.data(), quantised_scales.data());
+        quantised_token = t;
+        src = quantised.data();
+        src_scales = quantised_scales.data();
+      }
+      std::memcpy(row, src, size_t(payload));
+      if (S) std::memcpy(scales, src_scales, size_t(S) * 4);
     };
     int32_t* mask_out = out.send_mask.data_ptr<int32_t>();
     char* rx = static_cast<char*>(out.x.data_ptr());
