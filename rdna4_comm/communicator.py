@@ -181,8 +181,20 @@ class Communicator(EpMethods):
 
         # Every exchange of the construction is bounded by timeout_ms (_rendezvous).
         rendezvous = Rendezvous(self.group, timeout_ms)
+        # The fields that shape the symmetric heap: a rank with another cap,
+        # hidden or dispatch_dtype would lay its rows out otherwise and write
+        # past its peers' buffers, so every rank checks that all agree.
+        heap_fields = dict(max_tokens_per_rank=cap, hidden=hidden, topk=topk, num_experts=num_experts,
+                           dtype=dtype if cap else None, dispatch_dtype=dispatch_dtype if cap else None,
+                           expert_alignment=expert_alignment, max_expert_rows=max_expert_rows,
+                           allreduce_slot_bytes=allreduce_slot_bytes)
         hello = rendezvous.exchange("hello", dict(report=rank_report(), pid=os.getpid(),
-                                                  start=_C.process_start_time(os.getpid())))
+                                                  start=_C.process_start_time(os.getpid()), heap=heap_fields))
+        for name, mine in heap_fields.items():
+            every = [h["heap"][name] for h in hello]
+            if any(v != mine for v in every):
+                raise ValueError(f"Communicator: every rank must pass the same {name}; the ranks passed "
+                                 f"{dict(enumerate(every))}")
         reports = [h["report"] for h in hello]
         host = reports[self.rank].host
         rendezvous.processes = [(h["pid"], h["start"]) if h["report"].host == host and h["start"] else None

@@ -106,6 +106,33 @@ def test_a_rank_that_skips_a_call_makes_the_others_raise(world_small):
         assert_bitwise(out, ref)
 
 
+def t_disagreeing_construction(ctx, field, mine, others):
+    """Rank 0 passes `mine` for `field`, the others `others`; returns the error."""
+    kw = dict(max_tokens_per_rank=4, hidden=8, topk=2, num_experts=2 * ctx.world)
+    kw[field] = mine if ctx.rank == 0 else others
+    try:
+        ctx.comm(**kw)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("field,mine,others", [("dispatch_dtype", torch.float8_e4m3fn, None),
+                                               ("hidden", 8, 16), ("max_tokens_per_rank", 4, 5)])
+def test_ranks_that_disagree_on_the_heap_all_raise(world_small, field, mine, others):
+    """A field that lays out the heap, different on one rank: every rank
+    raises naming it (none writes past a peer's buffers), and the world
+    constructs communicators afterwards."""
+    if world_small.size == 1:
+        pytest.skip("needs a peer")
+    for r, message in enumerate(world_small.run(t_disagreeing_construction, field, mine, others)):
+        assert message is not None and f"every rank must pass the same {field}" in message, (r, message)
+    outs = world_small.run(t_fresh_communicator_works)
+    ref = reference.all_reduce([rand(8, r, (300,)) for r in range(world_small.size)])
+    for out in outs:
+        assert_bitwise(out, ref)
+
+
 def t_open(ctx):
     c = ctx.comm()  # the default timeout: minutes
     c.all_reduce(rand(1, ctx.rank, (16,)).to(ctx.device))
