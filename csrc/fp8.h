@@ -34,7 +34,9 @@ RC_HD float fp8_amax(float acc, float v) {
 RC_HD uint8_t fp8_e4m3fn_bits(float f) {
   const uint32_t u = float_bits(f), sign = (u >> 24) & 0x80u, mag = u & 0x7fffffffu;
   if (mag > 0x7f800000u) return uint8_t(sign | 0x7fu);
-  if (mag >= 0x43e80000u) return uint8_t(sign | 0x7eu);  // >= 464: rounds to 480, past the largest finite
+  // 464 is the tie between 448 and 480 (even: 448); above it RNE gives 480,
+  // past the largest finite: both saturate to 448.
+  if (mag >= 0x43e80000u) return uint8_t(sign | 0x7eu);
   if (mag < 0x3c800000u) {
     // Below 2^-6 the format is fixed point in steps of 2^-9: |f| * 512,
     // exact in fp32, rounded to an integer (ties to even); 8 is 2^-6 itself,

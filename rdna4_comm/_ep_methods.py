@@ -29,7 +29,8 @@ class EpMethods:
                 ``cap`` of them. The token count may differ between ranks and
                 may be 0. An FP8 communicator (``dispatch_dtype``) quantises
                 it inside the op, bitwise as :func:`rdna4_comm.quantize_fp8`
-                does, or takes the pair ``(q, scales)`` that function returns:
+                does (a NaN's sign and payload aside), or takes the pair
+                ``(q, scales)`` that function returns at its block of 128:
                 q [..., H] torch.float8_e4m3fn and scales [..., ceil(H / 128)]
                 torch.float32 (or [T, ...]), contiguous; they travel as given.
             topk_idx: torch.int32 or torch.int64 global expert ids of shape
@@ -82,6 +83,9 @@ class EpMethods:
         if not self._fp8:
             raise ValueError(f"dispatch: a (q, scales) pair needs a communicator made with "
                              f"dispatch_dtype={FP8_DTYPE}; this one dispatches {self.dtype}")
+        for name, t in zip(("x (the pair's q)", "x_scales (the pair's scales)"), pair):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"dispatch: {name} must be a tensor, got {type(t).__name__}")
         return tuple(pair)
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

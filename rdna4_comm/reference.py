@@ -125,7 +125,7 @@ def dispatch(
     if layout not in ("rank", "expert"):
         raise ValueError(f"dispatch: layout must be one of ('rank', 'expert'), got {layout!r}")
     if dispatch_dtype not in (None, FP8_DTYPE):
-        raise ValueError(f"dispatch: dispatch_dtype must be None or {FP8_DTYPE}, got {dispatch_dtype!r}")
+        raise TypeError(f"dispatch: dispatch_dtype must be None or {FP8_DTYPE}, got {dispatch_dtype!r}")
     if dispatch_dtype is not None:  # FP8 rows travel as their bytes, with their scales
         xs = [x if isinstance(x, (tuple, list)) else quantize_fp8(x) for x in xs]
         xs = [(q.view(torch.uint8), scales) for q, scales in xs]

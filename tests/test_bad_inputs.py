@@ -120,6 +120,8 @@ CASES = {
     "dispatch.fp8_not_a_pair": (lambda e: lambda: e.fp8.dispatch((e.x,), e.idx), "TypeError",
                                 "x must be a tensor or a (q, scales) pair from rdna4_comm.quantize_fp8, "
                                 "got a sequence of 1"),
+    "dispatch.fp8_pair_scales_missing": (lambda e: lambda: e.fp8.dispatch((rc.quantize_fp8(e.x)[0], None), e.idx),
+                                         "TypeError", "x_scales (the pair's scales) must be a tensor, got NoneType"),
     "dispatch.fp8_q_dtype": (lambda e: lambda: e.fp8.dispatch((e.x, rc.quantize_fp8(e.x)[1]), e.idx), "TypeError",
                              "x (the pair's q) must be torch.float8_e4m3fn, got torch.bfloat16"),
     "dispatch.fp8_scales_shape": (lambda e: lambda: e.fp8.dispatch((rc.quantize_fp8(e.x)[0], e.ones(4, 2).float()),

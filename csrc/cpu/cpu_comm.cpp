@@ -178,13 +178,15 @@ class CpuComm final : public Comm {
   // read and written in the caller's dtypes.
   void dispatch_impl(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales, const at::Tensor& topk_idx,
                      const c10::optional<at::Tensor>& topk_weights, Dispatched& out) override {
-    const float* scales = x_scales ? x_scales->data_ptr<float>() : nullptr;
+    const float* scales = x_scales ? x_scales->data_ptr<float>() : nullptr;  // nullptr when T = 0
+    const bool pair = x_scales.has_value();
     AT_DISPATCH_INDEX_TYPES(topk_idx.scalar_type(), "rdna4_comm_dispatch_ids", [&] {
       using IdxT = index_t;
-      if (!topk_weights) return dispatch_typed<IdxT, float>(x, scales, topk_idx.data_ptr<IdxT>(), nullptr, out);
+      if (!topk_weights) return dispatch_typed<IdxT, float>(x, pair, scales, topk_idx.data_ptr<IdxT>(), nullptr, out);
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, topk_weights->scalar_type(),
                                       "rdna4_comm_dispatch_weights", [&] {
-        dispatch_typed<IdxT, scalar_t>(x, scales, topk_idx.data_ptr<IdxT>(), topk_weights->data_ptr<scalar_t>(), out);
+        dispatch_typed<IdxT, scalar_t>(x, pair, scales, topk_idx.data_ptr<IdxT>(), topk_weights->data_ptr<scalar_t>(),
+                                       out);
       });
     });
   }
@@ -251,7 +253,8 @@ class CpuComm final : public Comm {
 
  private:
   template <typename IdxT, typename WT>
-  void dispatch_typed(const at::Tensor& x, const float* x_scales, const IdxT* idp, const WT* wp, Dispatched& out) {
+  void dispatch_typed(const at::Tensor& x, bool pair, const float* x_scales, const IdxT* idp, const WT* wp,
+                      Dispatched& out) {
     const int W = cfg_.world, me = cfg_.rank;
     const int64_t T = x.size(0), K = cfg_.topk, cap = cfg_.cap, epr = cfg_.experts_per_rank(), H = cfg_.hidden;
     const int64_t S = layout_.fp8_scales;
@@ -260,10 +263,10 @@ class CpuComm final : public Comm {
     const int64_t C = ep_chunk_tokens(T), nch = ep_num_chunks(T);
     const char* xp = static_cast<const char*>(x.data_ptr());
     float* scales_out = S ? out.x_scales.data_ptr<float>() : nullptr;
-    // Token t's row, and an FP8 row's scales, as they travel: x's bytes, or
-    // FP8 quantised here from x in dtype, once per token (the last token's
-    // quantised row is kept for its other destinations).
-    std::vector<char> quantised(S && !x_scales ? size_t(H) : 0);
+    // Token t's row, and an FP8 row's scales, as they travel: x's bytes (a
+    // pair's with its scales), or FP8 quantised here from x in dtype (the
+    // last token's quantised row is kept for its other peers).
+    std::vector<char> quantised(S && !pair ? size_t(H) : 0);
     std::vector<float> quantised_scales(quantised.empty() ? 0 : size_t(S));
     int64_t quantised_token = -1;
     auto put_row = [&](int64_t t, char* row, float* scales) {

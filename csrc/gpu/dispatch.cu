@@ -413,10 +413,13 @@ void launch_dispatch(const Env& env, const DispatchArgs& a, Stream s) {
   const int blocks = g.send_blocks + g.recv_blocks;
   auto go = [&](auto kernel) { launch("dispatch", kernel, blocks, s, env, a, lp); };
   if (env.layout.fp8_scales > 0) {
-    // FP8 rows: the generic top-k loop, one kernel per input form; their q
-    // bytes move in 16-byte vectors where the rows and pointers allow it,
-    // else byte by byte.
-    const bool pair = a.x_scales != nullptr, v16 = widest_vector(env.layout.hidden, {a.x, a.out_x}) == 16;
+    // FP8 rows: the generic top-k loop, one kernel per input form. Rows that
+    // are FP8 already (a pair's in the sender, every row in the receivers)
+    // move in 16-byte vectors where H and the pointers they touch allow it,
+    // else byte by byte; rows quantised in the sender have their own lanes.
+    const bool pair = a.fp8_pair;
+    const bool v16 = pair ? widest_vector(env.layout.hidden, {a.x, a.out_x}) == 16
+                          : widest_vector(env.layout.hidden, {a.out_x}) == 16;
     auto fp8 = [&](auto idx) {
       using IdxT = typename decltype(idx)::type;
       if (pair) v16 ? go(dispatch_kernel<IdxT, 0, uint4, kFp8Pair>) : go(dispatch_kernel<IdxT, 0, uint8_t, kFp8Pair>);

@@ -49,7 +49,8 @@ struct AllReduceArgs {
 struct DispatchArgs {
   const void* x;         // [T, H] of x_dtype; FP8 bytes with x_scales
   DType x_dtype;
-  const float* x_scales;  // FP8 pair: [T, fp8_scales]; else nullptr (an FP8 layout then quantises x)
+  const float* x_scales;  // FP8 pair: [T, fp8_scales] (nullptr when T = 0)
+  bool fp8_pair;          // FP8: x and x_scales are a pair; else x (of x_dtype) is quantised
   const void* topk_idx;  // [T, K]
   bool idx_is_int64;
   const void* topk_weights;  // [T, K] of weights_dtype, or nullptr
