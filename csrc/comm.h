@@ -43,6 +43,8 @@ struct CommConfig : HeapConfig {
 
   bool has_ep() const { return cap > 0; }
   bool fp8() const { return dispatch_dtype == at::kFloat8_e4m3fn; }
+  // The dtype of dispatch's x: FP8 for an FP8 communicator, else dtype.
+  at::ScalarType dispatched_dtype() const { return fp8() ? dispatch_dtype : dtype; }
   int64_t experts_per_rank() const { return num_experts / world; }
   // Rows of the expert layout's x: max_expert_rows, or the most a dispatch
   // can need: every received row (W*cap) in min(K, E_loc) experts, plus the

@@ -12,7 +12,7 @@ namespace rdna4_comm {
 std::array<OutputSpec, kDispatchOutputs> Comm::dispatch_outputs(at::ScalarType idx_dtype,
                                                                 c10::optional<at::ScalarType> weights_dtype) const {
   const int64_t rows = int64_t(cfg_.world) * cfg_.cap, K = cfg_.topk;
-  return {{{{rows, cfg_.hidden}, 2, cfg_.fp8() ? cfg_.dispatch_dtype : cfg_.dtype},
+  return {{{{rows, cfg_.hidden}, 2, cfg_.dispatched_dtype()},
            {{rows, K}, 2, idx_dtype},
            {{weights_dtype ? rows : 0, K}, 2, weights_dtype.value_or(at::kFloat)},
            {{cfg_.world, 0}, 1, at::kInt},
@@ -47,7 +47,7 @@ OutputSpec Comm::dispatch_scales_output(bool expert_layout) const {
 std::array<OutputSpec, kExpertDispatchOutputs> Comm::dispatch_expert_outputs(
     c10::optional<at::ScalarType> weights_dtype) const {
   const int64_t rows = int64_t(cfg_.world) * cfg_.cap, E = cfg_.experts_per_rank(), n = cfg_.expert_rows();
-  return {{{{n, cfg_.hidden}, 2, cfg_.fp8() ? cfg_.dispatch_dtype : cfg_.dtype},
+  return {{{{n, cfg_.hidden}, 2, cfg_.dispatched_dtype()},
            {{E, 0}, 1, at::kInt},
            {{E + 1, 0}, 1, at::kInt},
            {{weights_dtype ? n : 0, 0}, 1, weights_dtype.value_or(at::kFloat)},
@@ -106,7 +106,7 @@ ExpertDispatched Comm::dispatch_expert(const at::Tensor& x, const c10::optional<
   // FP8 rows move as their bytes.
   const at::Tensor paired = (source >= 0).unsqueeze(1), at_source = source.clamp_min(0);
   auto expert_rows = [&](const at::Tensor& rows) { return at::where(paired, rows.index_select(0, at_source), 0); };
-  out.x = cfg_.fp8() ? expert_rows(d.x.view(at::kByte)).view(cfg_.dispatch_dtype) : expert_rows(d.x);
+  out.x = cfg_.fp8() ? expert_rows(d.x.view(at::kByte)).view(cfg_.dispatched_dtype()) : expert_rows(d.x);
   if (cfg_.fp8()) out.x_scales = expert_rows(d.x_scales);
   out.expert_counts = counts.to(at::kInt);
   out.expert_offsets = offsets.to(at::kInt);

@@ -50,15 +50,6 @@ RC_DEVICE void copy_scales(const float* src, int64_t n, ScalesOf scales_of, uint
   }
 }
 
-// Exact for every weight that came in that dtype (the heap carries fp32).
-RC_DEVICE void store_weight(void* w, int64_t i, DType t, float v) {
-  switch (t) {
-    case DType::kF32: static_cast<float*>(w)[i] = v; break;
-    case DType::kBF16: static_cast<uint16_t*>(w)[i] = float_to_bf16_bits(v); break;
-    default: static_cast<uint16_t*>(w)[i] = float_to_f16_bits(v); break;
-  }
-}
-
 // Routing slots of a row per lane of its lead warp.
 constexpr int kSlotsPerLane = (kMaxTopk + kMinWarpSize - 1) / kMinWarpSize;
 
@@ -238,7 +229,7 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
             if (d == me) {
               const int64_t o = (self_base + row_index(d)) * K + k;
               out_idx[o] = IdxT(id);
-              if (a.out_weights) store_weight(a.out_weights, o, a.weights_dtype, wd);
+              if (a.out_weights) store_from_float(a.out_weights, o, a.weights_dtype, wd);
             } else {
               char* row = row_at(d);
               L.row_ids(row)[k] = int32_t(id);
@@ -354,7 +345,7 @@ RC_DEVICE bool dispatch_receiver(const Env& env, const DispatchArgs& a, Dispatch
       if (!rs.lead) return;
       for (int k = int(rs.first); k < K; k += int(rs.stride)) {
         out_idx[o * K + k] = IdxT(L.row_ids(row)[k]);
-        if (a.out_weights) store_weight(a.out_weights, o * K + k, a.weights_dtype, L.row_weights(row)[k]);
+        if (a.out_weights) store_from_float(a.out_weights, o * K + k, a.weights_dtype, L.row_weights(row)[k]);
       }
       if (rs.first == 0) a.out_recv_src[o] = int32_t(s * cap + *L.row_token(row));
     });
@@ -375,7 +366,7 @@ RC_DEVICE void dispatch_padding(const Env& env, const DispatchArgs& a, const Sou
   IdxT* out_idx = static_cast<IdxT*>(a.out_idx);
   for (int32_t i = p0 * K + threadIdx.x; i < p1 * K; i += blockDim.x) {
     out_idx[i] = IdxT(-1);
-    if (a.out_weights) store_weight(a.out_weights, i, a.weights_dtype, 0.f);
+    if (a.out_weights) store_from_float(a.out_weights, i, a.weights_dtype, 0.f);
   }
   for (int32_t r = p0 + threadIdx.x; r < p1; r += blockDim.x) a.out_recv_src[r] = -1;
 }

@@ -19,15 +19,6 @@ constexpr int kFp8LaneChannels = kFp8Block / kMinWarpSize;
 
 RC_DEVICE uint32_t fp8_row_units(int64_t hidden) { return uint32_t(fp8_num_scales(hidden)) * uint32_t(warp_size()); }
 
-// An element of dtype t as fp32 (exact).
-RC_DEVICE float load_as_float(const void* p, int64_t i, DType t) {
-  switch (t) {
-    case DType::kF32: return static_cast<const float*>(p)[i];
-    case DType::kBF16: return bf16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
-    default: return f16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
-  }
-}
-
 // Blocks in flight per warp in the FP8 row loops.
 constexpr int kFp8Unroll = 4;
 

@@ -31,6 +31,23 @@ template <> struct Elem<DType::kF16> {
   static RC_DEVICE uint32_t store2_not_nan(float lo, float hi) { return float2_to_f16x2_bits_not_nan(lo, hi); }
 };
 
+// Element i of p, of a dtype known only at run time, as fp32 (exact), and
+// an fp32 value stored as one (rounded to nearest even).
+RC_DEVICE float load_as_float(const void* p, int64_t i, DType t) {
+  switch (t) {
+    case DType::kF32: return static_cast<const float*>(p)[i];
+    case DType::kBF16: return bf16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
+    default: return f16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+RC_DEVICE void store_from_float(void* p, int64_t i, DType t, float v) {
+  switch (t) {
+    case DType::kF32: static_cast<float*>(p)[i] = v; break;
+    case DType::kBF16: static_cast<uint16_t*>(p)[i] = float_to_bf16_bits(v); break;
+    default: static_cast<uint16_t*>(p)[i] = float_to_f16_bits(v); break;
+  }
+}
+
 // A vector V seen as its N elements of D.
 template <DType D, typename V>
 union ElemPack {
