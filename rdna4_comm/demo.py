@@ -39,6 +39,7 @@ from ._ranks import CheckFailed
 from ._launch import WorldFailed
 from .algorithms import allreduce_algorithm
 from .communicator import Communicator
+from .fp8 import num_scales
 from .moe import ExpertParallelMoE, dense_moe, init_weights
 from .tp import LlamaStyleMLP, TensorParallelMLP, dense_mlp_block
 from .tp import init_weights as init_tp_weights
@@ -100,7 +101,7 @@ def check_fp8_round_trip(ctx, comm) -> str:
                       dtype=torch.bfloat16, transport=ctx.transport, dispatch_dtype=torch.float8_e4m3fn) as fp8:
         op = ep_ops(ctx, fp8, CAP)[0]
         op.check(op.run())
-    return (f"{CAP} tokens x {HIDDEN}, {HIDDEN + 4 * -(-HIDDEN // 128)} payload bytes a row (bf16: {2 * HIDDEN}): "
+    return (f"{CAP} tokens x {HIDDEN}, {HIDDEN + 4 * num_scales(HIDDEN)} payload bytes a row (bf16: {2 * HIDDEN}): "
             "FP8 rows, scales and the combine bitwise equal to the reference")
 
 

@@ -142,7 +142,7 @@ def expert_layout(d: Dispatched, num_local_experts: int, alignment: int, rows: i
     local expert e ascending, a row per received row that names e in a slot
     (ascending), the block's start rounded up to ``alignment``; the pair's
     weight is the fp32 sum of its slots' weights in slot order, rounded once.
-    Pairs past ``rows`` are dropped (the op raises for them at its next call).
+    Pairs past ``rows`` are dropped (the op raises for them at a later call).
     Rows that hold no pair are zeros (their FP8 scales too)."""
     idx = d.topk_idx.long()
     R, K = idx.shape

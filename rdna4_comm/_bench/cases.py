@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .. import reference
 from ..communicator import Communicator
-from ..fp8 import DEFAULT_BLOCK as FP8_BLOCK, FP8_DTYPE, dequantize_fp8, quantize_fp8
+from ..fp8 import DEFAULT_BLOCK as FP8_BLOCK, FP8_DTYPE, dequantize_fp8, num_scales, quantize_fp8
 from .._checks import allreduce_case, assert_dispatched, assert_same, pattern
 from .._timing import Op, Stats
 from .._ranks import RankContext
@@ -256,7 +256,7 @@ def ep_ops(ctx: RankContext, comm: Communicator, tokens: int, seed: int = 0, lay
     ]
     if fp8:
         qg = torch.empty(W * T, H, dtype=torch.uint8, device=dev)
-        sg = torch.empty(W * T, -(-H // FP8_BLOCK), dtype=torch.float32, device=dev)
+        sg = torch.empty(W * T, num_scales(H), dtype=torch.float32, device=dev)
 
         def run_fp8_baseline():
             q, scales = quantize_fp8(x)
