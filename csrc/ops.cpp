@@ -417,5 +417,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               "Keep `fraction` of the GPU's thread slots spinning for `ms` ms, on the current stream");
   testing.def("store_out_of_bounds", &store_out_of_bounds, py::arg("device"),
               "One store just past the end of a fresh 256-byte allocation (for compute-sanitizer)");
+  testing.def("fp8_conversion_mismatches", &fp8_conversion_mismatches, py::arg("device"),
+              "(count, lowest) of the fp32 patterns whose FP8 byte from the kernels differs from fp8.h's");
 #endif
 }

@@ -26,7 +26,7 @@ KERNELS_OF = {
     "dispatch.cu": ["dispatch_kernel"],
     "combine.cu": ["combine_kernel"],
     "probe.cu": ["probe_kernel"],
-    "testing.cu": ["occupy_kernel", "store_out_of_bounds_kernel"],
+    "testing.cu": ["occupy_kernel", "store_out_of_bounds_kernel", "fp8_conversion_check_kernel"],
 }
 CLANG = shutil.which("clang++-19")
 HAVE_HIP = CLANG is not None and Path("/usr/include/hip/hip_runtime.h").exists()

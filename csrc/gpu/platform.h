@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "../fp8.h"
 #include "../qualifiers.h"
 
 #if defined(__HIP__) || defined(__HIP_PLATFORM_AMD__) || defined(USE_ROCM)
@@ -329,6 +330,24 @@ RC_DEVICE uint32_t float2_to_f16x2_bits_not_nan(float lo, float hi) {
   uint32_t b;
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(b) : "f"(hi), "f"(lo));
   return b;
+#endif
+}
+
+// Four quotients of the FP8 rule as float8_e4m3fn bytes, v[0] in the low
+// byte: fp8_e4m3fn_bits of each, or on NVIDIA sm_89+ one instruction per
+// two (round to nearest even; past 448 saturating to 448, as fp8.h does).
+// The instruction writes every NaN as 0x7f; so does fp8.h for the quotients
+// the kernels convert, since a NaN the GPU's division returns is positive.
+// testing.fp8_conversion_mismatches checks every fp32 pattern.
+RC_DEVICE uint32_t fp8x4_bits(const float (&v)[4]) {
+#if !defined(RC_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint16_t lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(v[1]), "f"(v[0]));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(v[3]), "f"(v[2]));
+  return uint32_t(lo) | uint32_t(hi) << 16;
+#else
+  return uint32_t(fp8_e4m3fn_bits(v[0])) | uint32_t(fp8_e4m3fn_bits(v[1])) << 8 |
+         uint32_t(fp8_e4m3fn_bits(v[2])) << 16 | uint32_t(fp8_e4m3fn_bits(v[3])) << 24;
 #endif
 }
 #endif  // device code

@@ -101,9 +101,10 @@ RC_DEVICE void quantize_fp8_row(const void* x, DType t, int64_t hidden, bool vec
     for (int u = 0; u < kFp8Unroll; ++u) {
       if (l[u].count == 0) continue;
       const float scale = fp8_scale(amax[u]);
-      uint32_t q = 0;
+      float quot[kFp8LaneChannels];
 #pragma unroll
-      for (int i = 0; i < kFp8LaneChannels; ++i) q |= uint32_t(fp8_e4m3fn_bits(val[u][i] / scale)) << (8 * i);
+      for (int i = 0; i < kFp8LaneChannels; ++i) quot[i] = val[u][i] / scale;
+      const uint32_t q = fp8x4_bits(quot);
       for (uint32_t m = mask; m != 0; m &= m - 1) {
         const int d = lowest_bit(m);
         store_lane_bytes(reinterpret_cast<uint8_t*>(q_of(d)), l[u], vec, q);
