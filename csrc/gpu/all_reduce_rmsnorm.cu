@@ -24,7 +24,7 @@ RC_DEVICE double block_sum_squares(double v, double* red) {
   const int tid = threadIdx.x;
   red[tid] = v;
   block_sync();
-  for (int width = blockDim.x / 2; width > 0; width /= 2) {
+  for (int width = kThreads / 2; width > 0; width /= 2) {
     if (tid < width) red[tid] += red[tid + width];
     block_sync();
   }
@@ -47,7 +47,7 @@ RC_DEVICE void finish_row(const AllReduceRmsNormArgs& a, const ConstRankPtrs& sr
   using Pack = ElemPack<D, V>;
   constexpr int N = Pack::N;
   const int64_t H = a.hidden;
-  const uint32_t nvec = uint32_t(H / N), nt = blockDim.x;
+  const uint32_t nvec = uint32_t(H / N), nt = kThreads;
   const V* residual = a.residual ? reinterpret_cast<const V*>(static_cast<const Raw*>(a.residual) + row * H) : nullptr;
   V* rout = reinterpret_cast<V*>(static_cast<Raw*>(a.residual_out) + row * H);
   V* out = reinterpret_cast<V*>(static_cast<Raw*>(a.out) + row * H);

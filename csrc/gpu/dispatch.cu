@@ -64,7 +64,7 @@ template <typename IdxT, int KF, typename V, int kMode>
 RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLaunch& lp, DispatchShared& sh,
                                uint64_t gen, int b) {
   const Layout& L = env.layout;
-  const int me = env.rank, W = env.world, tid = threadIdx.x, nt = blockDim.x;
+  const int me = env.rank, W = env.world, tid = threadIdx.x, nt = kThreads;
   const Routing<IdxT, KF> route{static_cast<const IdxT*>(a.topk_idx), int(L.topk), a.num_experts,
                                 lp.experts_per_rank, W};
   const int K = route.topk(), nblocks = lp.send_blocks;
@@ -364,11 +364,11 @@ RC_DEVICE void dispatch_padding(const Env& env, const DispatchArgs& a, const Sou
   const int32_t p0 = pad0 + int32_t(blockIdx.x) * per, p1 = p0 + per < rows ? p0 + per : rows;
   if (p1 <= p0) return;
   IdxT* out_idx = static_cast<IdxT*>(a.out_idx);
-  for (int32_t i = p0 * K + threadIdx.x; i < p1 * K; i += blockDim.x) {
+  for (int32_t i = p0 * K + threadIdx.x; i < p1 * K; i += kThreads) {
     out_idx[i] = IdxT(-1);
     if (a.out_weights) store_from_float(a.out_weights, i, a.weights_dtype, 0.f);
   }
-  for (int32_t r = p0 + threadIdx.x; r < p1; r += blockDim.x) a.out_recv_src[r] = -1;
+  for (int32_t r = p0 + threadIdx.x; r < p1; r += kThreads) a.out_recv_src[r] = -1;
 }
 
 // One kernel per (id type, top-k fast path, row vector, payload mode): each

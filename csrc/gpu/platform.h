@@ -230,10 +230,15 @@ RC_DEVICE void spin_pause() {
 #endif
 }
 
-// Lanes per warp/wavefront: 32 on NVIDIA and RDNA, 64 on CDNA. Ballots are
-// 64-bit everywhere so one type serves both.
+// Lanes per warp/wavefront: 32 on NVIDIA and RDNA, 64 on CDNA; a constant
+// on NVIDIA, so lane and warp indices cost a shift, not a division. Ballots
+// are 64-bit everywhere so one type serves both.
+#ifdef RC_HIP
 RC_DEVICE int warp_size() { return warpSize; }
-RC_DEVICE int lane_id() { return int(threadIdx.x) % warpSize; }
+#else
+RC_DEVICE constexpr int warp_size() { return 32; }
+#endif
+RC_DEVICE int lane_id() { return int(threadIdx.x) & (warp_size() - 1); }
 RC_DEVICE uint64_t warp_ballot(bool pred) {
 #ifdef RC_HIP
   return uint64_t(__ballot(pred));

@@ -36,7 +36,7 @@ RC_DEVICE bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p)
 // the row is loaded once and stored to each. Sizes stay below 2^32 vectors.
 template <typename V, typename SrcOf, typename MaskOf, typename DstOf>
 RC_DEVICE void block_copy_rows(int64_t nrows, int64_t nvec, SrcOf src_of, MaskOf mask_of, DstOf dst_of) {
-  const uint32_t total = uint32_t(nrows * nvec), n = uint32_t(nvec), nt = blockDim.x;
+  const uint32_t total = uint32_t(nrows * nvec), n = uint32_t(nvec), nt = kThreads;
   for (uint32_t i0 = threadIdx.x; i0 < total; i0 += nt * kUnroll) {
     V val[kUnroll];
 #pragma unroll

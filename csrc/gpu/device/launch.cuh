@@ -14,8 +14,8 @@ namespace rdna4_comm {
 namespace gpu {
 
 constexpr int kThreads = kGpuBlockThreads;  // protocol.h
-// Warps are 32 lanes or wider (64 on CDNA); the warp size itself is read at
-// run time (warp_size()). Per-warp arrays hold kThreads / kMinWarpSize
+// Warps are 32 lanes or wider (64 on CDNA); warp_size() is a constant on
+// NVIDIA and read at run time on HIP. Per-warp arrays hold kThreads / kMinWarpSize
 // entries, enough for a block of any warp size.
 constexpr int kMinWarpSize = 32;
 constexpr int kMaxWarps = kThreads / kMinWarpSize;

@@ -114,7 +114,7 @@ RC_DEVICE V sum_one(const ConstRankPtrs& src, uint32_t mask, uint32_t v) {
 // returned) and points `out` at its output vector.
 template <DType D, typename V, typename RowOf>
 RC_DEVICE void block_sum(uint32_t total, RowOf row_of) {
-  const uint32_t nt = blockDim.x;
+  const uint32_t nt = kThreads;
   for (uint32_t i0 = threadIdx.x; i0 < total; i0 += nt * kUnroll) {
     V res[kUnroll];
     V* dst[kUnroll];

@@ -52,7 +52,7 @@ RC_DEVICE void finish_op(const Env& env, int op, uint64_t gen) {
   char* sig = env.sig[env.rank];
   if (threadIdx.x == 0) *env.layout.counter(sig, op, blockIdx.x) = gen;
   if (blockIdx.x == 0)
-    for (int b = int(gridDim.x + threadIdx.x); b < kMaxLaunchBlocks; b += int(blockDim.x))
+    for (int b = int(gridDim.x + threadIdx.x); b < kMaxLaunchBlocks; b += kThreads)
       *env.layout.counter(sig, op, b) = gen;
 }
 
