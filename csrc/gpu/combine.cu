@@ -28,12 +28,13 @@ struct CombineShared {
 // The handle is user input. Its counts pick rows, chunks and flag slots,
 // so every block checks them first (all blocks reach the same verdict); a
 // bad one is recorded and the kernel then only publishes its flags (below).
-RC_DEVICE bool handle_counts_ok(const Env& env, const CombineArgs& a) {
+// They are read from src (load_sources: the handle's values, as given).
+RC_DEVICE bool handle_counts_ok(const Env& env, const CombineArgs& a, const Sources& src) {
   const int s = threadIdx.x;
   const int64_t cap = env.layout.cap;
   bool ok = true;
   if (s < env.world) {
-    const int32_t n = a.counts[s], t = a.src_tokens[s];
+    const int32_t n = src.nrows[s], t = src.ntok[s];
     if (n < 0 || n > cap) {
       ok = false;
       if (blockIdx.x == 0) record_error(env, encode_bad_handle(kHandleCounts, s, n));
@@ -69,8 +70,8 @@ RC_DEVICE void check_recv_src(const Env& env, const CombineArgs& a, const Source
   // at the register limit keeps its loop state small.
   const int W = env.world;
   const int64_t cap = env.layout.cap;
-  const uint32_t stride = uint32_t(nblocks) * blockDim.x, rows = uint32_t(src.offset[W]);
-  for (uint32_t j0 = uint32_t(b) * blockDim.x + threadIdx.x; j0 < rows; j0 += stride * kCheckUnroll) {
+  const uint32_t stride = uint32_t(nblocks) * kThreads, rows = uint32_t(src.offset[W]);
+  for (uint32_t j0 = uint32_t(b) * kThreads + threadIdx.x; j0 < rows; j0 += stride * kCheckUnroll) {
     int32_t value[kCheckUnroll], before[kCheckUnroll];
 #pragma unroll
     for (int u = 0; u < kCheckUnroll; ++u) {
@@ -97,7 +98,7 @@ RC_DEVICE void check_recv_src(const Env& env, const CombineArgs& a, const Source
 // check_recv_src) gives wrong ranges, but every one lies within the
 // source's rows.
 RC_DEVICE void peer_chunk_starts(const Env& env, const CombineArgs& a, CombineShared& sh) {
-  const int me = env.rank, W = env.world, tid = threadIdx.x, nt = blockDim.x;
+  const int me = env.rank, W = env.world, tid = threadIdx.x, nt = kThreads;
   const int64_t cap = env.layout.cap;
   for (int s = 0; s < W; ++s) {
     const int32_t end = sh.src.offset[s] + sh.src.nrows[s];
@@ -126,7 +127,7 @@ RC_DEVICE void combine_sender(const Env& env, const CombineArgs& a, CombineShare
   const Layout& L = env.layout;
   const int me = env.rank, W = env.world, tid = threadIdx.x;
   const int64_t payload = L.hidden * L.elt, cap = L.cap;
-  const uint32_t nvec = uint32_t(payload / vec);
+  const uint32_t nvec = copy_vectors(payload, vec);
   const char* y = static_cast<const char*>(a.y);
   check_recv_src(env, a, sh.src, b, nblocks);
   peer_chunk_starts(env, a, sh);
@@ -172,15 +173,14 @@ RC_DEVICE void combine_sender(const Env& env, const CombineArgs& a, CombineShare
 struct OwnRange {
   int32_t t0, t1, chunk_tokens, first_end, group;
 };
-RC_DEVICE OwnRange own_range(int64_t T, int64_t per, int j) {
-  const int64_t C = ep_chunk_tokens(T);
-  const int64_t t0 = int64_t(j) * per, t1 = t0 + per < T ? t0 + per : T;
-  const int G = group_size(C);
-  const int64_t group_end = (t0 / C + G) * C;
-  int64_t first_end = t0 + int64_t(blockDim.x);
+RC_DEVICE OwnRange own_range(int64_t T, const EpLaunch& lp, int j) {
+  const int32_t C = lp.own_chunk_tokens, G = lp.own_group, per = int32_t(lp.own_block_tokens);
+  const int32_t t0 = j * per, t1 = t0 + per < int32_t(T) ? t0 + per : int32_t(T);
+  const int32_t group_end = (t0 / C + G) * C;
+  int32_t first_end = t0 + kThreads;
   first_end = first_end < group_end ? first_end : group_end;
   first_end = first_end < t1 ? first_end : t1;
-  return {int32_t(t0), int32_t(t1), int32_t(C), int32_t(first_end), G};
+  return {t0, t1, C, first_end, G};
 }
 
 // What a receiver thread reads first, before the handle's counts arrive, so
@@ -192,7 +192,7 @@ struct ReceiverStart {
 };
 RC_DEVICE ReceiverStart receiver_start(const Env& env, const CombineArgs& a, const OwnRange& r) {
   ReceiverStart st;
-  const int32_t nt = blockDim.x;
+  const int32_t nt = kThreads;
 #pragma unroll 4
   for (int32_t t = threadIdx.x; t < r.t0; t += nt) st.own_before += int32_t(uint32_t(a.send_mask[t]) >> env.rank & 1u);
   const int32_t t = r.t0 + int32_t(threadIdx.x);
@@ -216,12 +216,12 @@ RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineSha
                                 const OwnRange& range, const ReceiverStart& start, int vec) {
   const Layout& L = env.layout;
   const int me = env.rank, W = env.world, tid = threadIdx.x;
-  const int32_t t0 = range.t0, t1 = range.t1, C = range.chunk_tokens, nt = blockDim.x;
+  const int32_t t0 = range.t0, t1 = range.t1, C = range.chunk_tokens, nt = kThreads;
   if (t0 >= t1) return;
   const int G = range.group;
   const int64_t payload = L.hidden * L.elt;
   const int32_t rows = W * int32_t(L.cap);
-  const uint32_t nsum = uint32_t(payload / row_vector_bytes<D>(vec));
+  const uint32_t nsum = row_vectors<D>(payload, vec);
   const char* y = static_cast<const char*>(a.y);
   char* out = static_cast<char*>(a.out);
   const int32_t own_base = sh.src.offset[me];
@@ -269,7 +269,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs 
   __shared__ CombineShared sh;
   const uint64_t gen = op_generation(env, kOpCombine);
   const bool receiver = int(blockIdx.x) >= lp.send_blocks;
-  const OwnRange range = own_range(a.ntok, lp.own_block_tokens, int(blockIdx.x) - lp.send_blocks);
+  const OwnRange range = own_range(a.ntok, lp, int(blockIdx.x) - lp.send_blocks);
   const ReceiverStart start = receiver ? receiver_start(env, a, range) : ReceiverStart{};
   if (threadIdx.x == 0) sh.run[0] = 0;
   load_sources(env, sh.src, [&](int s, int64_t* ntok, int64_t* nrows, int64_t* chunk_tokens) {
@@ -277,7 +277,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs 
     *nrows = a.counts[s];
     *chunk_tokens = ep_chunk_tokens(*ntok);
   });
-  const bool counts_ok = handle_counts_ok(env, a);
+  const bool counts_ok = handle_counts_ok(env, a, sh.src);
   if (!counts_ok) {
     // Peers still wait for this rank's flags: the senders publish every chunk
     // a peer can expect (ep_max_chunks: it holds at most cap tokens) with no
@@ -303,8 +303,9 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs 
 
 void launch_combine(const Env& env, const CombineArgs& a, Stream s) {
   const EpGrid g = combine_grid(a.ntok, env.world, env.sm_count);
+  const int64_t C = ep_chunk_tokens(a.ntok);
   const EpLaunch lp{ep_own_block_tokens(a.ntok, env.world, env.sm_count), 0, g.send_blocks,
-                    row_vector(env.layout.hidden * env.layout.elt, {a.y, a.out})};
+                    row_vector(env.layout.hidden * env.layout.elt, {a.y, a.out}), int32_t(C), group_size(C)};
   const int blocks = g.send_blocks + g.recv_blocks;
   switch (a.dtype) {
     case DType::kF32: launch("combine", combine_kernel<DType::kF32>, blocks, s, env, a, lp); break;

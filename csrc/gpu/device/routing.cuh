@@ -16,6 +16,9 @@ struct EpLaunch {
   int64_t experts_per_rank;
   int send_blocks;
   int vec;  // the row loops' vector (row_vector)
+  // This rank's tokens in combine chunks: ep_chunk_tokens of them, and the
+  // group size (group_size) for that chunk.
+  int32_t own_chunk_tokens, own_group;
 };
 
 template <typename IdxT, int KF>
@@ -58,7 +61,7 @@ RC_DEVICE int32_t warp_sum(int32_t v) {
 // d scans destination d's warp totals (shared memory) with shuffles.
 RC_DEVICE void batch_positions(uint32_t m, int W, int32_t (&pos)[kMaxGpuWorld],
                                int32_t (&warp_tot)[kMaxWarps][kMaxGpuWorld], int32_t* run) {
-  const int ws = warp_size(), lane = lane_id(), warp = threadIdx.x / ws, nw = blockDim.x / ws;
+  const int ws = warp_size(), lane = lane_id(), warp = int(threadIdx.x) / ws, nw = kThreads / ws;
   const uint64_t below = lane == 0 ? 0ull : (~0ull >> (64 - lane));
 #pragma unroll
   for (int d = 0; d < kMaxGpuWorld; ++d) {
@@ -119,7 +122,7 @@ RC_DEVICE void item_to_chunk(int64_t item, const int32_t* nchunks, int W, int* s
 constexpr int kMaxGroup = 32;
 constexpr int64_t kGroupRows = 64;
 
-RC_DEVICE int group_size(int64_t chunk_tokens) {
+RC_HD int group_size(int64_t chunk_tokens) {
   const int64_t g = kGroupRows / chunk_tokens;
   return int(g < 1 ? 1 : (g > kMaxGroup ? kMaxGroup : g));
 }

@@ -146,12 +146,17 @@ template <DType D, typename F>
 RC_DEVICE void with_row_vector(int vec, F&& f) {
   if (vec == 16) f(VecTag<uint4>{}); else f(VecTag<typename Elem<D>::Raw>{});
 }
+// Vectors of with_row_vector's type in `bytes`, by constant divisors.
 template <DType D>
-RC_DEVICE int row_vector_bytes(int vec) { return vec == 16 ? 16 : int(sizeof(typename Elem<D>::Raw)); }
+RC_DEVICE uint32_t row_vectors(int64_t bytes, int vec) {
+  return uint32_t(vec == 16 ? bytes / 16 : bytes / int64_t(sizeof(typename Elem<D>::Raw)));
+}
 template <typename F>
 RC_DEVICE void with_copy_vector(int vec, F&& f) {
   if (vec == 16) f(VecTag<uint4>{}); else f(VecTag<uint16_t>{});
 }
+// Vectors of with_copy_vector's type in `bytes`, by constant divisors.
+RC_DEVICE uint32_t copy_vectors(int64_t bytes, int vec) { return uint32_t(vec == 16 ? bytes / 16 : bytes / 2); }
 
 }  // namespace gpu
 }  // namespace rdna4_comm
