@@ -187,7 +187,9 @@ class Comm {
   std::array<OutputSpec, kDispatchOutputs> dispatch_outputs(at::ScalarType idx_dtype,
                                                             c10::optional<at::ScalarType> weights_dtype) const;
   OutputSpec combine_output() const;
-  // A fresh output of `spec` for `ntok` tokens (empty()).
+  // A fresh output of `spec` for `ntok` tokens (empty()). Each output is an
+  // allocation of its own: outputs of one op that share a storage (disjoint
+  // views of one allocation) fail torch.library.opcheck's schema test.
   at::Tensor empty_output(const OutputSpec& spec, int64_t ntok) const;
   std::array<OutputSpec, kExpertDispatchOutputs> dispatch_expert_outputs(
       c10::optional<at::ScalarType> weights_dtype) const;
