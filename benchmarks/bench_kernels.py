@@ -78,14 +78,17 @@ Method.
   Compute (``ncu --profile-from-start off --kernel-name-base demangled
   --kernel-name regex:"dispatch|combine|copy|elementwise" --metrics
   dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes.sum,
-  smsp__inst_executed.sum,gpu__time_duration.sum``); that child process
+  smsp__inst_executed.sum,gpu__time_duration.sum,smsp__warps_launched.sum``);
+  that child process
   checks the ops, warms them up, and profiles one call of each inside
   cudaProfilerStart/Stop. The report is read back with ``ncu --import
   --csv --page raw --print-units base``, its kernels matched in order with
   the kernels torch.profiler saw each op launch, and every op gets its
   kernels' DRAM throughput (% of peak, GB/s = dram__bytes / duration),
   instructions executed and instructions per DRAM byte
-  (smsp__inst_executed.sum / dram__bytes.sum). ``copy_`` of one contiguous
+  (smsp__inst_executed.sum / dram__bytes.sum), and every kernel its
+  instructions per warp (/ smsp__warps_launched.sum), what each warp of a
+  small batch's kernel runs around its few bytes. ``copy_`` of one contiguous
   bf16 tensor to another is a device-to-device memcpy, which ncu does not
   profile, so the copy's ncu columns come from an elementwise kernel moving
   the same bytes (``torch.mul(src, 1, out=dst)``). Without ncu the table

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import re
 import subprocess
 import sys
@@ -183,20 +184,20 @@ def test_bench_kernels_reads_ncu_csv_and_matches_its_kernels_to_the_ops():
 
     cols = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream", "Block Size",
             "Grid Size", "Device", "CC", "dram__bytes.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
-            "gpu__time_duration.sum", "smsp__inst_executed.sum"]
+            "gpu__time_duration.sum", "smsp__inst_executed.sum", "smsp__warps_launched.sum"]
 
     def line(values):
         return ",".join(f'"{v}"' for v in values)
 
-    def kernel(i, name, nbytes, pct, ns, inst):
+    def kernel(i, name, nbytes, pct, ns, inst, warps):
         return line([i, "99", "python3", "host", name, "1", "7", "(512, 1, 1)", "(66, 1, 1)", "0", "9.0",
-                     nbytes, pct, ns, inst])
+                     nbytes, pct, ns, inst, warps])
 
     wide = "\n".join([
-        "==PROF== Connected to process 99", line(cols), line([""] * 11 + ["byte", "%", "nsecond", "inst"]),
-        kernel(0, ELEMENTWISE, "4,096", "1.50", "2,000", "8,192"),
-        kernel(1, DISPATCH, "117,440,512", "80.25", "40,000", "1,174,405"),
-        kernel(2, COMBINE, "117,440,512", "75", "50,000", "0"),
+        "==PROF== Connected to process 99", line(cols), line([""] * 11 + ["byte", "%", "nsecond", "inst", "warp"]),
+        kernel(0, ELEMENTWISE, "4,096", "1.50", "2,000", "8,192", "4"),
+        kernel(1, DISPATCH, "117,440,512", "80.25", "40,000", "1,174,405", "1,056"),
+        kernel(2, COMBINE, "117,440,512", "75", "50,000", "0", "0"),
     ])
     kernels = ncu.parse_ncu_csv(wide)
     assert [k["id"] for k in kernels] == [0, 1, 2]
@@ -218,6 +219,8 @@ def test_bench_kernels_reads_ncu_csv_and_matches_its_kernels_to_the_ops():
     d = by_op["dispatch"][1]
     assert d["time_us"] == 40 and d["dram_gbs"] == pytest.approx(117_440_512 / 40_000)
     assert d["inst_per_byte"] == pytest.approx(1_174_405 / 117_440_512)
+    assert d["warps"] == 1056 and d["inst_per_warp"] == pytest.approx(1_174_405 / 1056)
+    assert by_op["dispatch"][0]["inst_per_warp"] == 2048 and math.isnan(by_op["combine"][0]["inst_per_warp"])
     total = ncu.aggregate(by_op["dispatch"])
     assert total["kernels"] == 2 and total["time_us"] == 42 and total["dram_bytes"] == 117_440_512 + 4096
     assert total["dram_pct"] == pytest.approx((1.5 * 2 + 80.25 * 40) / 42)
@@ -271,10 +274,10 @@ def test_bench_kernels_runs_ncu_and_reads_its_report(tmp_path):
     bk = _bench_kernels_module()
     csv_text = "\n".join([
         '"ID","Kernel Name","dram__bytes.sum","dram__throughput.avg.pct_of_peak_sustained_elapsed",'
-        '"gpu__time_duration.sum","smsp__inst_executed.sum"',
-        '"","","byte","%","nsecond","inst"',
-        f'"0","{DISPATCH}","1000","50","100","10"',
-        f'"1","{COMBINE}","2000","60","200","20"',
+        '"gpu__time_duration.sum","smsp__inst_executed.sum","smsp__warps_launched.sum"',
+        '"","","byte","%","nsecond","inst","warp"',
+        f'"0","{DISPATCH}","1000","50","100","10","5"',
+        f'"1","{COMBINE}","2000","60","200","20","4"',
     ])
     (tmp_path / "report.csv").write_text(csv_text + "\n")
     fake = tmp_path / "ncu"
@@ -290,6 +293,7 @@ esac
     expected["dispatch"], expected["combine"] = [DISPATCH], [COMBINE]
     got, why = ncu.run_ncu(str(fake), bk.ncu_child_command(["--device", "cuda"]), expected, bk.NCU_OPS)
     assert why == "" and got["dispatch"][0]["dram_gbs"] == 10 and got["combine"][0]["inst_per_byte"] == 0.01
+    assert got["dispatch"][0]["inst_per_warp"] == 2 and got["combine"][0]["inst_per_warp"] == 5
     profile, imported = (tmp_path / "calls").read_text().splitlines()
     for flag in ("--profile-from-start off", "--kernel-name-base demangled",
                  f"--kernel-name regex:{ncu.NCU_KERNEL_REGEX}", "--metrics " + ",".join(ncu.NCU_METRICS),

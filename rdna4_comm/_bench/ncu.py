@@ -5,8 +5,10 @@ into per-kernel and per-op figures matched with the kernels torch.profiler saw
 (:func:`match_ncu`, :func:`kernel_metrics`, :func:`aggregate`).
 
 The figures: DRAM throughput (% of peak, GB/s = dram__bytes / duration),
-instructions executed and instructions per DRAM byte (smsp__inst_executed.sum
-/ dram__bytes.sum), of the kernels whose names match NCU_KERNEL_REGEX.
+instructions executed, instructions per DRAM byte (smsp__inst_executed.sum
+/ dram__bytes.sum) and per warp (/ smsp__warps_launched.sum: what each warp
+of a small batch's kernel runs before and around its few bytes), of the
+kernels whose names match NCU_KERNEL_REGEX.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from typing import Optional
 from .._timing import format_table
 
 NCU_METRICS = ("dram__throughput.avg.pct_of_peak_sustained_elapsed", "dram__bytes.sum",
-               "smsp__inst_executed.sum", "gpu__time_duration.sum")
+               "smsp__inst_executed.sum", "gpu__time_duration.sum", "smsp__warps_launched.sum")
 # The kernels profiled (demangled names): rdna4_comm's dispatch and combine
 # kernels and the baselines' copy and elementwise kernels.
 NCU_KERNEL_REGEX = "dispatch|combine|copy|elementwise"
@@ -123,16 +125,19 @@ def parse_ncu_csv(text: str) -> list[dict]:
 
 
 def kernel_metrics(k: dict) -> dict:
-    """One ncu kernel's figures: time_us, dram_pct, dram_bytes, dram_gbs, inst, inst_per_byte.
+    """One ncu kernel's figures: time_us, dram_pct, dram_bytes, dram_gbs, inst,
+    inst_per_byte, warps, inst_per_warp.
 
     ``k`` is a kernel of :func:`parse_ncu_csv`; the result also has "kernel"
     (:func:`function_base` of its name) and "name". Units: us, % of peak,
-    bytes, GB/s, instructions, instructions per DRAM byte (NaN without bytes)."""
-    ns, nbytes, inst = k[NCU_METRICS[3]], k[NCU_METRICS[1]], k[NCU_METRICS[2]]
+    bytes, GB/s, instructions, instructions per DRAM byte (NaN without
+    bytes), warps launched, instructions per warp (NaN without warps)."""
+    ns, nbytes, inst, warps = k[NCU_METRICS[3]], k[NCU_METRICS[1]], k[NCU_METRICS[2]], k[NCU_METRICS[4]]
     return {"kernel": function_base(k["name"]), "name": k["name"], "time_us": ns / 1e3,
             "dram_pct": k[NCU_METRICS[0]], "dram_bytes": nbytes,
             "dram_gbs": nbytes / ns if ns > 0 else math.nan, "inst": inst,
-            "inst_per_byte": inst / nbytes if nbytes > 0 else math.nan}
+            "inst_per_byte": inst / nbytes if nbytes > 0 else math.nan, "warps": warps,
+            "inst_per_warp": inst / warps if warps > 0 else math.nan}
 
 
 def aggregate(kernels: list[dict]) -> dict:
@@ -226,13 +231,13 @@ def ncu_version(ncu: str) -> str:
 
 def ncu_table(ncu: dict, ops) -> str:
     """A line per kernel of each op of ``ops`` (op -> its kernels' ncu columns, as run_ncu gives them)."""
-    header = ["op", "kernel", "ncu us", "DRAM %", "DRAM GB/s", "DRAM MB", "inst", "inst/B"]
+    header = ["op", "kernel", "ncu us", "DRAM %", "DRAM GB/s", "DRAM MB", "inst", "inst/B", "inst/warp"]
     rows = []
     for key in ops:
         for k in ncu.get(key, []):
             rows.append([key, k["kernel"], k["time_us"], k["dram_pct"], k["dram_gbs"], k["dram_bytes"] / 1e6,
-                         k["inst"], k["inst_per_byte"]])
+                         k["inst"], k["inst_per_byte"], k["inst_per_warp"]])
         if not ncu.get(key):
             rows.append([key, "(no kernel: memcpy, not profiled by ncu)" if key == "copy" else "(none)",
-                         math.nan, math.nan, math.nan, math.nan, math.nan, math.nan])
+                         *[math.nan] * 7])
     return format_table(header, rows)
