@@ -387,7 +387,8 @@ std::pair<int64_t, int64_t> fp8_conversion_mismatches(int device_index) {
   auto* dev = static_cast<Result*>(p);
   RC_GPU_CHECK(gpu::memset_device(&dev->count, 0, sizeof(dev->count)));
   RC_GPU_CHECK(gpu::memset_device(&dev->first, 0xff, sizeof(dev->first)));
-  gpu::launch_fp8_conversion_check(&dev->count, &dev->first, 8 * sms, c10::cuda::getCurrentCUDAStream(device_index).stream());
+  gpu::launch_fp8_conversion_check(&dev->count, &dev->first, 8 * sms,
+                                   c10::cuda::getCurrentCUDAStream(device_index).stream());
   RC_GPU_CHECK(gpu::get_last_error());
   RC_GPU_CHECK(gpu::device_synchronize());
   RC_GPU_CHECK(gpu::memcpy_to_host(&host, dev, sizeof(Result)));

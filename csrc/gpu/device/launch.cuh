@@ -15,8 +15,8 @@ namespace gpu {
 
 constexpr int kThreads = kGpuBlockThreads;  // protocol.h
 // Warps are 32 lanes or wider (64 on CDNA); warp_size() is a constant on
-// NVIDIA and read at run time on HIP. Per-warp arrays hold kThreads / kMinWarpSize
-// entries, enough for a block of any warp size.
+// NVIDIA and read at run time on HIP. Per-warp arrays hold
+// kThreads / kMinWarpSize entries, enough for a block of any warp size.
 constexpr int kMinWarpSize = 32;
 constexpr int kMaxWarps = kThreads / kMinWarpSize;
 static_assert(kThreads % 64 == 0, "a block is whole warps for every warp size");
