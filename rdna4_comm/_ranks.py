@@ -81,17 +81,20 @@ class RankContext:
 
     def comm(self, **kwargs):
         """A communicator with these arguments (transport: this rank's unless
-        given), created collectively on first use and cached. Every rank must
+        given), created collectively on first use and cached; past
+        MAX_CACHED_COMMS the least recently asked for is closed (so a caller
+        holding the few it asked for last keeps them open). Every rank must
         ask for the same ones in the same order."""
         import rdna4_comm as rc
 
         key = tuple(sorted(kwargs.items(), key=lambda kv: kv[0]))
-        c = self._comms.get(key)
+        c = self._comms.pop(key, None)
         if c is None or c.closed:
             if len(self._comms) >= self.MAX_CACHED_COMMS:
                 self._comms.pop(next(iter(self._comms))).close()
             kwargs.setdefault("transport", self.transport)
-            c = self._comms[key] = rc.Communicator(**kwargs)
+            c = rc.Communicator(**kwargs)
+        self._comms[key] = c
         return c
 
     def drop_comms(self) -> None:

@@ -50,6 +50,29 @@ def test_close_context_manager_and_use_after_close(world_small):
     assert shm_segments(*(p.pid for p in world_small.procs)) == []
 
 
+def t_comm_cache_keeps_the_recently_asked(ctx):
+    # The test worlds' cache closes the least recently asked-for communicator
+    # past MAX_CACHED_COMMS: one a test asked for again stays open.
+    held = ctx.comm(allreduce_slot_bytes=4096)
+    closed_early = []
+    for i in range(ctx.MAX_CACHED_COMMS + 2):
+        ctx.comm(allreduce_slot_bytes=4096 * (i + 2))
+        closed_early.append(held.closed)
+        assert ctx.comm(allreduce_slot_bytes=4096) is held
+    x = rand(6, ctx.rank, (64,)).to(ctx.device)
+    return closed_early, held.all_reduce(x), len(ctx._comms)
+
+
+def test_the_test_worlds_comm_cache_closes_the_least_recently_asked(world_small):
+    results = world_small.run(t_comm_cache_keeps_the_recently_asked)
+    ref = reference.all_reduce([rand(6, r, (64,)) for r in range(world_small.size)])
+    for closed_early, out, cached in results:
+        assert not any(closed_early)
+        assert_bitwise(out, ref)
+        assert cached <= rc._ranks.RankContext.MAX_CACHED_COMMS
+    world_small.run(t_drop_communicators)
+
+
 def t_skip_one_call(ctx, skipper):
     c = ctx.comm(timeout_ms=short_timeout_ms(ctx.transport), allreduce_slot_bytes=4096)
     x = rand(5, ctx.rank, (256,)).to(ctx.device)
