@@ -26,24 +26,20 @@ struct CombineShared {
 };
 
 // The handle is user input. Its counts pick rows, chunks and flag slots,
-// so every block checks them first (all blocks reach the same verdict); a
-// bad one is recorded and the kernel then only publishes its flags (below).
-// They are read from src (load_sources: the handle's values, as given).
-RC_DEVICE bool handle_counts_ok(const Env& env, const CombineArgs& a, const Sources& src) {
-  const int s = threadIdx.x;
+// so every block checks them first (all blocks reach the same verdict),
+// thread s those of source s (load_sources); a bad one is recorded and the
+// kernel then only publishes its flags (below).
+RC_DEVICE bool handle_counts_ok(const Env& env, const CombineArgs& a, int s, int64_t n, int64_t t) {
   const int64_t cap = env.layout.cap;
-  bool ok = true;
-  if (s < env.world) {
-    const int32_t n = src.nrows[s], t = src.ntok[s];
-    if (n < 0 || n > cap) {
-      ok = false;
-      if (blockIdx.x == 0) record_error(env, encode_bad_handle(kHandleCounts, s, n));
-    } else if (t < 0 || t > cap || (s == env.rank && t != a.ntok)) {
-      ok = false;
-      if (blockIdx.x == 0) record_error(env, encode_bad_handle(kHandleSrcTokens, s, t));
-    }
+  if (n < 0 || n > cap) {
+    if (blockIdx.x == 0) record_error(env, encode_bad_handle(kHandleCounts, s, int32_t(n)));
+    return false;
   }
-  return block_all(ok);
+  if (t < 0 || t > cap || (s == env.rank && t != a.ntok)) {
+    if (blockIdx.x == 0) record_error(env, encode_bad_handle(kHandleSrcTokens, s, int32_t(t)));
+    return false;
+  }
+  return true;
 }
 
 // Token of source s that a recv_src value names, or -1 when it is not one
@@ -211,6 +207,7 @@ RC_DEVICE ReceiverStart receiver_start(const Env& env, const CombineArgs& a, con
 // flag from peer r, then the group's tokens in the range are summed in
 // batches of a block.
 static_assert(kMaxGpuWorld * kMaxGroup <= kThreads, "combine waiters fit a block");
+static_assert((kMaxGroup & (kMaxGroup - 1)) == 0, "a waiter's chunk and rank are a mask and a shift");
 template <DType D>
 RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineShared& sh, uint64_t gen,
                                 const OwnRange& range, const ReceiverStart& start, int vec) {
@@ -272,12 +269,12 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs 
   const OwnRange range = own_range(a.ntok, lp, int(blockIdx.x) - lp.send_blocks);
   const ReceiverStart start = receiver ? receiver_start(env, a, range) : ReceiverStart{};
   if (threadIdx.x == 0) sh.run[0] = 0;
-  load_sources(env, sh.src, [&](int s, int64_t* ntok, int64_t* nrows, int64_t* chunk_tokens) {
+  const bool counts_ok = load_sources(env, sh.src, [&](int s, int64_t* ntok, int64_t* nrows, int64_t* chunk_tokens) {
     *ntok = a.src_tokens[s];
     *nrows = a.counts[s];
     *chunk_tokens = ep_chunk_tokens(*ntok);
+    return handle_counts_ok(env, a, s, *nrows, *ntok);
   });
-  const bool counts_ok = handle_counts_ok(env, a, sh.src);
   if (!counts_ok) {
     // Peers still wait for this rank's flags: the senders publish every chunk
     // a peer can expect (ep_max_chunks: it holds at most cap tokens) with no
@@ -286,6 +283,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs 
       *ntok = 0;
       *nrows = 0;
       *chunk_tokens = 1;
+      return true;
     });
     if (int(threadIdx.x) < env.world && int(threadIdx.x) != env.rank)
       sh.src.nchunks[threadIdx.x] = int32_t(ep_max_chunks(env.layout.cap));

@@ -13,11 +13,13 @@ namespace gpu {
 namespace {
 
 struct DispatchShared {
-  // Sender: this block's chunk, its rows per destination (chunk_rows), the
-  // rows of the chunks before it (prefix), the batch's running count (run),
-  // and each token of a batch: its destinations and its rows' positions
-  // within the chunk.
-  int32_t chunk_rows[kMaxGpuWorld], prefix[kMaxGpuWorld], run[kMaxGpuWorld];
+  // Sender: per destination, the rows of the chunks before this block's
+  // (prefix) and of those up to its end (chunk_end), the rows below a
+  // batch's positions (row_base), the batches' running count (run); each
+  // token of a batch: its destinations and its rows' positions; and the
+  // rows this rank's lower ranks send it (lower_rows).
+  int32_t prefix[kMaxGpuWorld], chunk_end[kMaxGpuWorld], row_base[kMaxGpuWorld], run[kMaxGpuWorld];
+  int32_t lower_rows;
   int32_t warp_tot[kMaxWarps][kMaxGpuWorld];
   uint32_t batch_mask[kThreads];
   int32_t batch_pos[kThreads][kMaxGpuWorld];
@@ -80,8 +82,11 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
   const char* x = static_cast<const char*>(a.x);
   char* out_x = static_cast<char*>(a.out_x);
   IdxT* out_idx = static_cast<IdxT*>(a.out_idx);
-  // A chunk of one batch keeps its batch in shared memory from the count to the copies.
-  const bool one_batch = t1 - t0 <= nt;
+  // A chunk of one batch keeps its batch in shared memory from the count to
+  // the copies. Where every block routes every token, the batch arrays are
+  // indexed by token (batch_first: t0) and hold the rows' indices.
+  const bool routes_all = dispatch_routes_all_tokens(T), one_batch = t1 - t0 <= nt;
+  const int32_t batch_first = routes_all ? t0 : 0;
 
   // Destinations of the batch of tokens from tb, and the positions of their
   // rows (sh.run: rows of the chunk's batches before it), into sh.batch_*
@@ -100,27 +105,32 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
     }
   };
 
+  // The chunk's first input rows (a block's lines, all of a small chunk's)
+  // are on their way to L1 while the block routes them.
+  const int64_t chunk_bytes = int64_t(t1 - t0) * in_row;
+  if (int64_t(tid) * kPrefetchLineBytes < chunk_bytes) prefetch_l1(x + t0 * in_row + int64_t(tid) * kPrefetchLineBytes);
+
   if (tid < W) sh.run[tid] = 0;  // read after batch_positions' first barrier
-  if (dispatch_routes_all_tokens(T)) {
-    // Thread t routes token t; the positions of token t0 and t1 bound the chunk.
+  if (routes_all) {
+    // Thread t routes token t; the positions of tokens t0 and t1 bound the
+    // chunk, and sh.run ends as every destination's total. The arrays are
+    // read after the barrier of the lower ranks' headers (below).
     const uint32_t m = tid < T ? route.mask(tid) : 0u;
     if (tid >= t0 && tid < t1) a.out_send_mask[tid] = int32_t(m);
     int32_t pos[kMaxGpuWorld];
     batch_positions(m, W, pos, sh.warp_tot, sh.run);
-    if (tid == t0 || tid == t1) {
+    sh.batch_mask[tid] = m;
 #pragma unroll
-      for (int d = 0; d < kMaxGpuWorld; ++d)
-        if (d < W) (tid == t0 ? sh.prefix : sh.chunk_rows)[d] = pos[d];
+    for (int d = 0; d < kMaxGpuWorld; ++d) {
+      if (d >= W) break;
+      sh.batch_pos[tid][d] = pos[d];
+      if (tid == t0) sh.prefix[d] = pos[d];
+      if (tid == t1 && t1 < T) sh.chunk_end[d] = pos[d];
     }
-    block_sync();
-    if (tid >= t0 && tid < t1) {
-      sh.batch_mask[tid - t0] = m;
-#pragma unroll
-      for (int d = 0; d < kMaxGpuWorld; ++d)
-        if (d < W) sh.batch_pos[tid - t0][d] = pos[d] - sh.prefix[d];
+    if (tid < W) {
+      sh.row_base[tid] = 0;
+      if (t1 == T) sh.chunk_end[tid] = sh.run[tid];
     }
-    if (tid < W) sh.chunk_rows[tid] = (t1 < T ? sh.chunk_rows[tid] : sh.run[tid]) - sh.prefix[tid];
-    block_sync();
   } else {
     // Count: the chunk's rows per destination.
     for (int32_t tb = t0; tb < t1; tb += nt) route_batch(tb, true, one_batch);
@@ -130,7 +140,6 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
     // resident (the launch policy), so the waits end.
     if (tid < W) {
       if (b + 1 < nblocks) store_relaxed_device(L.tally(env.sig[me], b, tid), tally_word(gen, sh.run[tid]));
-      sh.chunk_rows[tid] = sh.run[tid];
       sh.prefix[tid] = 0;
     }
     block_sync();
@@ -147,48 +156,67 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
       }
     }
     if (!block_all(ok)) return false;
+    if (tid < W) {
+      sh.row_base[tid] = sh.prefix[tid];
+      sh.chunk_end[tid] = sh.prefix[tid] + sh.run[tid];
+    }
   }
   // The last chunk's block knows every destination's total: the headers
   // (how many tokens, rows and which chunking each destination is to expect).
   if (b == nblocks - 1 && tid < W) {
     HeadSlot* head = L.dispatch_head(env.sig[tid], gen, me);
     head->ntok = uint32_t(T);
-    head->nrows = uint32_t(sh.prefix[tid] + sh.chunk_rows[tid]);
+    head->nrows = uint32_t(sh.chunk_end[tid]);
     head->chunk_tokens = uint32_t(C);
     store_release_sys(&head->gen, gen);
   }
 
   // This rank's own rows skip the heap: they go straight to the output, after
-  // the rows of every lower rank, whose counts come from their headers.
+  // the rows of every lower rank, whose counts come from their headers:
+  // thread s < me reads header s's once it has arrived (`wait`: a bounded
+  // wait, else one poll), warp 0 adds them up. True on every thread, with
+  // self_base set, when every one had.
   int64_t self_base = 0;
-  const uint32_t lower = (1u << me) - 1;
   auto head_of = [&](int s) { return L.dispatch_head(env.sig[me], gen, s); };
-  auto add_lower_rows = [&] {  // each count is read by the thread that acquired its header
-    if (tid < me) sh.src.nrows[tid] = int32_t(head_of(tid)->nrows);
-    block_sync();
-    for (int s = 0; s < me; ++s) self_base += sh.src.nrows[s];
+  auto lower_rows = [&](bool wait) {
+    bool got = true;
+    int32_t rows = 0;
+    if (tid < me) {
+      const uint64_t* flag = &head_of(tid)->gen;
+      got = wait ? wait_flag(env, flag, gen, kOpDispatch, tid) : load_acquire_sys(flag) >= gen;
+      if (got) rows = int32_t(head_of(tid)->nrows);
+    }
+    if (tid < warp_size()) {
+      rows = warp_sum(rows);
+      if (tid == 0) sh.lower_rows = rows;
+    }
+    const bool all = block_all(got);
+    if (all) self_base = sh.lower_rows;
+    return all;
   };
 
   // The chunk's rows for the destinations in `dests`, a batch at a time:
   // each token's row is loaded once and stored to every destination it has
   // among them, then its routing (the local id where the slot's expert
   // lives on the destination, else -1 and weight 0) and source token.
+  // The batch arrays are complete here: one batch's were written before a
+  // barrier (the lower ranks' headers); the others are routed again here.
   auto send = [&](uint32_t dests) {
-    if (!one_batch) {
-      if (tid < W) sh.run[tid] = 0;
-      block_sync();
-    }
+    if (!one_batch && tid < W) sh.run[tid] = 0;  // read after batch_positions' first barrier
     for (int32_t tb = t0; tb < t1; tb += nt) {
-      if (!one_batch) route_batch(tb, false, true);
-      block_sync();
+      if (!one_batch) {
+        route_batch(tb, false, true);
+        block_sync();
+      }
       const int32_t batch = t1 - tb < nt ? t1 - tb : nt;
       for_row_pieces(uint32_t(batch), nvec, [&](uint32_t r, const RowSpan& s) {
-        const uint32_t tm = sh.batch_mask[r] & dests;
+        const uint32_t at = uint32_t(batch_first) + r;  // the token's place in the batch arrays
+        const uint32_t tm = sh.batch_mask[at] & dests;
         if (tm == 0) return;
         const int64_t tok = tb + int32_t(r);
         // Destination d's row: j of the rows this rank sends it; this
         // rank's own go to the output, after the lower ranks' rows.
-        auto row_index = [&](int d) { return int64_t(sh.prefix[d]) + sh.batch_pos[r][d]; };
+        auto row_index = [&](int d) { return int64_t(sh.row_base[d]) + sh.batch_pos[at][d]; };
         auto row_at = [&](int d) {
           return d == me ? out_x + (self_base + row_index(d)) * payload
                          : L.dispatch_row(env.data[d], gen, me, row_index(d));
@@ -254,18 +282,16 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
   // goes to the peers before the block waits for the headers, and to this
   // rank's output after: no peer waits for the chunk behind this wait, and
   // every rank publishes its headers after waits on its own blocks alone.
-  const bool have_base = block_all(tid >= me || load_acquire_sys(&head_of(tid)->gen) >= gen);
-  if (have_base) add_lower_rows();
+  const bool have_base = lower_rows(false);
   send(have_base ? all_ranks(env) : peer_ranks(env));
   if (tid < W && tid != me) {  // the chunk to every peer, empty or not
     ChunkSlot* slot = L.dispatch_chunk(env.sig[tid], gen, me, b);
     slot->row_start = uint32_t(sh.prefix[tid]);
-    slot->nrows = uint32_t(sh.chunk_rows[tid]);
+    slot->nrows = uint32_t(sh.chunk_end[tid] - sh.prefix[tid]);
     store_release_sys(&slot->gen, gen);
   }
   if (!have_base) {
-    if (!block_wait_ranks(env, gen, kOpDispatch, lower, [&](int s) { return &head_of(s)->gen; })) return false;
-    add_lower_rows();
+    if (!lower_rows(true)) return false;
     send(1u << me);
   }
   return true;
@@ -282,16 +308,20 @@ struct OwnHeader {
 RC_DEVICE bool load_headers(const Env& env, DispatchShared& sh, uint64_t gen, OwnHeader own) {
   const Layout& L = env.layout;
   const int me = env.rank;
-  auto head_of = [&](int s) { return L.dispatch_head(env.sig[me], gen, s); };
-  const uint32_t wait = own.known ? peer_ranks(env) : all_ranks(env);
-  if (!block_wait_ranks(env, gen, kOpDispatch, wait, [&](int s) { return &head_of(s)->gen; })) return false;
-  load_sources(env, sh.src, [&](int s, int64_t* ntok, int64_t* nrows, int64_t* chunk_tokens) {
-    const bool known = own.known && s == me;
-    *ntok = known ? own.ntok : head_of(s)->ntok;
-    *nrows = known ? sh.run[me] : head_of(s)->nrows;
-    *chunk_tokens = known ? own.chunk_tokens : head_of(s)->chunk_tokens;
+  return load_sources(env, sh.src, [&](int s, int64_t* ntok, int64_t* nrows, int64_t* chunk_tokens) {
+    if (own.known && s == me) {
+      *ntok = own.ntok;
+      *nrows = sh.run[me];
+      *chunk_tokens = own.chunk_tokens;
+      return true;
+    }
+    const HeadSlot* head = L.dispatch_head(env.sig[me], gen, s);
+    if (!wait_flag(env, &head->gen, gen, kOpDispatch, s)) return false;
+    *ntok = head->ntok;
+    *nrows = head->nrows;
+    *chunk_tokens = head->chunk_tokens;
+    return true;
   });
-  return true;
 }
 
 // False (on every thread) when a wait failed: sh.src may then be incomplete.

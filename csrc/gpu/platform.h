@@ -285,6 +285,18 @@ RC_DEVICE V load_input(const V* p) {
 #endif
 }
 
+// A hint: fetch the 128-byte line at p into this multiprocessor's L1, where
+// a later load_input of it hits. No-op on HIP (gfx1201's vector memory has
+// no such prefetch).
+constexpr int kPrefetchLineBytes = 128;
+RC_DEVICE void prefetch_l1(const void* p) {
+#ifdef RC_HIP
+  (void)p;
+#else
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+#endif
+}
+
 // Bit-exact IEEE conversions, matching torch's CPU rounding (round to
 // nearest even; bf16 NaN -> 0x7FC0).
 RC_DEVICE float bf16_bits_to_float(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }

@@ -58,7 +58,10 @@ RC_DEVICE int32_t warp_sum(int32_t v) {
 // Within-batch positions: for each destination d, the number of earlier
 // tokens of the batch (threads below this one) that go to d, plus run[d];
 // then run[d] grows by the batch's total. Ballots over each warp, then warp
-// d scans destination d's warp totals (shared memory) with shuffles.
+// d scans destination d's warp totals (shared memory) with shuffles. Two
+// barriers; back-to-back calls need none between them (a warp rewrites only
+// its own warp_tot row, after its last read of it, and warp d reads run[d]
+// and warp_tot's column d before the second barrier).
 RC_DEVICE void batch_positions(uint32_t m, int W, int32_t (&pos)[kMaxGpuWorld],
                                int32_t (&warp_tot)[kMaxWarps][kMaxGpuWorld], int32_t* run) {
   const int ws = warp_size(), lane = lane_id(), warp = int(threadIdx.x) / ws, nw = kThreads / ws;
@@ -88,7 +91,6 @@ RC_DEVICE void batch_positions(uint32_t m, int W, int32_t (&pos)[kMaxGpuWorld],
     if (d >= W) break;
     pos[d] += warp_tot[warp][d];
   }
-  block_sync();
 }
 
 // Receive items are (source, chunk) pairs ordered chunk-major, so receivers
@@ -143,31 +145,38 @@ struct Sources {
   int32_t offset[kMaxGpuWorld + 1];
 };
 
-// Block-wide: fills `src` from counts_of(s, &ntok, &nrows, &chunk_tokens),
-// called by thread s for every source s, then the row offsets. This rank's
-// own rows never pass through the heap, so it is listed with no chunks.
+// Block-wide, one barrier: thread s fills source s from counts_of(s, &ntok,
+// &nrows, &chunk_tokens), which returns false when they are not to be used
+// (a failed wait, a bad handle value), and warp 0 adds up the row offsets.
+// True on every thread when every source's counts were. This rank's own
+// rows never pass through the heap, so it is listed with no chunks.
 template <typename CountsOf>
-RC_DEVICE void load_sources(const Env& env, Sources& src, CountsOf counts_of) {
+RC_DEVICE bool load_sources(const Env& env, Sources& src, CountsOf counts_of) {
   const int W = env.world, tid = threadIdx.x;
+  bool ok = true;
+  int32_t nrows32 = 0;
   if (tid < W) {
-    int64_t ntok, nrows, chunk_tokens;
-    counts_of(tid, &ntok, &nrows, &chunk_tokens);
+    int64_t ntok = 0, nrows = 0, chunk_tokens = 1;
+    ok = counts_of(tid, &ntok, &nrows, &chunk_tokens);
     src.ntok[tid] = int32_t(ntok);
     src.chunk_tokens[tid] = int32_t(chunk_tokens);
-    src.nrows[tid] = int32_t(nrows);
-    src.nchunks[tid] = tid == env.rank ? 0 : int32_t(ep_chunks(ntok, chunk_tokens));
+    src.nrows[tid] = nrows32 = int32_t(nrows);
+    src.nchunks[tid] = tid == env.rank || !ok ? 0 : int32_t(ep_chunks(ntok, chunk_tokens));
   }
-  block_sync();
-  if (tid == 0) {
-    // In int64, clamped: a handle's counts are summed here before they are checked.
-    int64_t at = 0;
-    src.offset[0] = 0;
-    for (int s = 0; s < W; ++s) {
-      at += src.nrows[s];
-      src.offset[s + 1] = int32_t(at < INT32_MAX ? at : INT32_MAX);
+  if (tid < warp_size()) {
+    // A handle's counts are summed before the verdict: each is clamped to
+    // [0, 2^24] first, so the W <= 8 of them cannot overflow (a valid one,
+    // at most kMaxGpuTokensPerRank, is unchanged).
+    static_assert(kMaxGpuWorld << 24 <= INT32_MAX && kMaxGpuTokensPerRank <= (1 << 24), "offsets fit int32");
+    int32_t at = nrows32 < 0 ? 0 : (nrows32 > (1 << 24) ? (1 << 24) : nrows32);
+    for (int o = 1; o < kMaxGpuWorld; o *= 2) {
+      const int32_t lower = warp_shfl_up(at, o);
+      if (tid >= o) at += lower;
     }
+    if (tid < W) src.offset[tid + 1] = at;
+    if (tid == 0) src.offset[0] = 0;
   }
-  block_sync();
+  return block_all(ok);
 }
 
 RC_DEVICE Items source_items(const Sources& src, int W) {

@@ -15,8 +15,12 @@ namespace rdna4_comm {
 namespace gpu {
 
 // Vectors in flight per thread in a row copy or sum (a sum's fp32
-// accumulators fit beside them: one combine kernel per dtype).
+// accumulators fit beside them: one combine kernel per dtype). A span of at
+// most kShortUnroll vectors per lane (a small batch's rows) takes a loop
+// unrolled that far instead: the unrolled body is code every warp fetches
+// cold at each launch, and a short span would fetch 8 vectors' worth of it.
 constexpr int kRowUnroll = 8;
+constexpr int kShortUnroll = 2;
 
 // This thread's vectors of one row: first, first + stride, ... below end.
 // `lead`: the warp's piece starts the row, so this warp also writes the
@@ -51,25 +55,32 @@ RC_DEVICE void for_row_pieces(uint32_t rows, uint32_t n, Piece piece) {
 // src is an op's input, which nothing writes while the kernel runs
 // (load_input); else heap memory that a peer wrote in this op (plain loads,
 // ordered after the flag's acquire).
-template <typename V, bool kInput, typename RowOf>
-RC_DEVICE void copy_row(const char* src, RowOf row_of, uint32_t mask, const RowSpan& s) {
-  const V* in = reinterpret_cast<const V*>(src);
-  for (uint32_t v0 = s.first; v0 < s.end; v0 += s.stride * kRowUnroll) {
-    V val[kRowUnroll];
+RC_DEVICE bool short_span(const RowSpan& s) { return s.end <= s.first + kShortUnroll * s.stride; }
+
+template <int U, typename V, bool kInput, typename RowOf>
+RC_DEVICE void copy_span(const V* in, RowOf row_of, uint32_t mask, const RowSpan& s) {
+  for (uint32_t v0 = s.first; v0 < s.end; v0 += s.stride * U) {
+    V val[U];
 #pragma unroll
-    for (int u = 0; u < kRowUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       const uint32_t v = v0 + u * s.stride;
       if (v < s.end) val[u] = kInput ? load_input(in + v) : in[v];
     }
     for (uint32_t m = mask; m != 0; m &= m - 1) {
       V* o = reinterpret_cast<V*>(row_of(lowest_bit(m)));
 #pragma unroll
-      for (int u = 0; u < kRowUnroll; ++u) {
+      for (int u = 0; u < U; ++u) {
         const uint32_t v = v0 + u * s.stride;
         if (v < s.end) o[v] = val[u];
       }
     }
   }
+}
+template <typename V, bool kInput, typename RowOf>
+RC_DEVICE void copy_row(const char* src, RowOf row_of, uint32_t mask, const RowSpan& s) {
+  const V* in = reinterpret_cast<const V*>(src);
+  if (short_span(s)) copy_span<kShortUnroll, V, kInput>(in, row_of, mask, s);
+  else copy_span<kRowUnroll, V, kInput>(in, row_of, mask, s);
 }
 
 // A row's vectors of span `s` of one output row: the sum over the ranks r in
@@ -78,39 +89,38 @@ RC_DEVICE void copy_row(const char* src, RowOf row_of, uint32_t mask, const RowS
 // sum_one, so every transport and the reference round alike. The ranks are
 // taken one set bit at a time and each row's pointer computed when it is
 // read, so the loop is as long as the mask, not the largest world.
-template <DType D, typename V, typename RowOf>
-RC_DEVICE void sum_row(RowOf row_of, uint32_t mask, char* out, const RowSpan& s) {
+template <int U, DType D, typename V, typename RowOf>
+RC_DEVICE void sum_span(RowOf row_of, uint32_t mask, V* o, const RowSpan& s) {
   using E = Elem<D>;
   using Pack = ElemPack<D, V>;
   constexpr int N = Pack::N;
-  V* o = reinterpret_cast<V*>(out);
-  for (uint32_t v0 = s.first; v0 < s.end; v0 += s.stride * kRowUnroll) {
-    float acc[kRowUnroll][N];
-    auto load = [&](uint32_t m, Pack (&p)[kRowUnroll]) {
+  for (uint32_t v0 = s.first; v0 < s.end; v0 += s.stride * U) {
+    float acc[U][N];
+    auto load = [&](uint32_t m, Pack (&p)[U]) {
       const V* in = reinterpret_cast<const V*>(row_of(lowest_bit(m)));
 #pragma unroll
-      for (int u = 0; u < kRowUnroll; ++u) {
+      for (int u = 0; u < U; ++u) {
         const uint32_t v = v0 + u * s.stride;
         p[u].v = v < s.end ? in[v] : V{};
       }
     };
     if (mask != 0) {
-      Pack p[kRowUnroll];
+      Pack p[U];
       load(mask, p);
 #pragma unroll
-      for (int u = 0; u < kRowUnroll; ++u)
+      for (int u = 0; u < U; ++u)
 #pragma unroll
         for (int k = 0; k < N; ++k) acc[u][k] = E::load(p[u].e[k]);
       for (uint32_t m = mask & (mask - 1); m != 0; m &= m - 1) {
         load(m, p);
 #pragma unroll
-        for (int u = 0; u < kRowUnroll; ++u)
+        for (int u = 0; u < U; ++u)
 #pragma unroll
           for (int k = 0; k < N; ++k) acc[u][k] += E::load(p[u].e[k]);
       }
     }
 #pragma unroll
-    for (int u = 0; u < kRowUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       const uint32_t v = v0 + u * s.stride;
       if (v >= s.end) continue;
       Pack q;
@@ -119,6 +129,11 @@ RC_DEVICE void sum_row(RowOf row_of, uint32_t mask, char* out, const RowSpan& s)
       o[v] = q.v;
     }
   }
+}
+template <DType D, typename V, typename RowOf>
+RC_DEVICE void sum_row(RowOf row_of, uint32_t mask, char* out, const RowSpan& s) {
+  V* o = reinterpret_cast<V*>(out);
+  sum_span<kRowUnroll, D>(row_of, mask, o, s);
 }
 
 // The rows of a group of G work items as one batch of n-vector rows
