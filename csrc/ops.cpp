@@ -1,6 +1,12 @@
 // torch.ops.rdna4_comm.*: schemas, one implementation per op shared by the CPU
 // and CUDA dispatch keys (the communicator named by `comm` decides the
 // transport), and the pybind functions Communicator uses to bootstrap.
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/record_function.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 
@@ -167,6 +173,153 @@ void watch_peers(const std::string& id, const std::vector<std::tuple<int, int, u
 
 }  // namespace
 
+// ------------------------------------------------------------ eager calls
+// What the Communicator methods call outside torch.compile
+// (rdna4_comm._C.eager.<op>). Entering an op from Python through the
+// dispatcher (OpOverload.op) boxes every argument into IValues, which the
+// dispatcher unboxes for the kernel again: about 9 k instructions a call,
+// more than the rest of an eager combine's host work apart from the
+// kernel's own (callgrind, CPU transport). These take plain arguments
+// straight to the same functions, inside a RecordFunction of the op's name
+// so profilers still see the op. Whatever the dispatcher or Python must
+// see goes through the op itself (OpOverload.op): a tensor other than a
+// plain dense one (a subclass, a wrapper, a sparse or conjugate view, one
+// that requires grad while grad mode is on), an argument of another type
+// than the schema's, a torch function or dispatch mode, or dispatch keys
+// included in this thread.
+namespace eager {
+
+// An op's argument kinds, from its registered schema: 'T' Tensor, 'O'
+// Tensor?, 'f' float, 's' str.
+struct Schema {
+  std::string name, kinds;
+};
+Schema schema_of(const char* name) {
+  const std::string qualified = std::string("rdna4_comm::") + name;
+  const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow(qualified.c_str(), "");
+  std::string kinds;
+  for (const c10::Argument& a : op.schema().arguments()) {
+    const c10::TypePtr& t = a.type();
+    const bool optional = t->kind() == c10::TypeKind::OptionalType;
+    const c10::TypeKind k = optional ? t->containedType(0)->kind() : t->kind();
+    const char kind = k == c10::TypeKind::TensorType ? (optional ? 'O' : 'T')
+                      : k == c10::TypeKind::FloatType && !optional   ? 'f'
+                      : k == c10::TypeKind::StringType && !optional  ? 's'
+                                                                     : '?';
+    TORCH_CHECK(kind != '?', qualified, ": no eager entry point for argument ", a.name(), " of type ", t->str());
+    kinds += kind;
+  }
+  return {name, kinds};
+}
+
+bool plain_tensor(PyObject* obj) {
+  static PyObject* parameter = py::object(py::module_::import("torch.nn").attr("Parameter")).release().ptr();
+  PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(obj));
+  if (type != THPVariableClass && type != parameter) return false;
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  if (t.requires_grad() && c10::GradMode::is_enabled()) return false;
+  // A dense tensor's keys: its backend's, with autocast and (but for
+  // inference tensors) autograd ones.
+  const c10::DispatchKeySet keys = t.key_set();
+  const c10::BackendComponent b = keys.highestBackendKey();
+  const c10::DispatchKeySet dense =
+      c10::DispatchKeySet(c10::DispatchKey::Dense) | c10::DispatchKeySet(b) | c10::getAutocastRelatedKeySetFromBackend(b);
+  return keys == dense || keys == (dense | c10::getAutogradRelatedKeySetFromBackend(b));
+}
+
+// The predicate: whether a call of the op may skip the dispatcher.
+bool plain_call(const Schema& schema, const py::args& args, const py::kwargs& kwargs) {
+  if (kwargs.size() != 0 || args.size() != schema.kinds.size()) return false;
+  if (at::impl::torch_function_mode_enabled() || c10::impl::TorchDispatchModeTLS::stack_len() != 0) return false;
+  if (!(c10::impl::tls_local_dispatch_key_set().included_ - c10::default_included_set).empty()) return false;
+  for (size_t i = 0; i < args.size(); ++i) {
+    PyObject* a = args[i].ptr();
+    const char kind = schema.kinds[i];
+    const bool ok = kind == 's'   ? PyUnicode_Check(a)
+                    : kind == 'f' ? PyFloat_Check(a)
+                    : kind == 'O' && a == Py_None ? true
+                                                 : plain_tensor(a);
+    if (!ok) return false;
+  }
+  return true;
+}
+
+// The arguments of a call that plain_call accepted, as the op takes them.
+// Read without the GIL: a tensor's or float's value is a field of its
+// object, and str()'s text was taken (with the GIL) when Args was made.
+struct Args {
+  const py::args& a;
+  c10::string_view comm;  // the call's str argument, the communicator's id
+  Args(const py::args& args, const Schema& schema) : a(args) {
+    const size_t i = schema.kinds.find('s');
+    Py_ssize_t n = 0;
+    const char* p = PyUnicode_AsUTF8AndSize(a[i].ptr(), &n);
+    if (p == nullptr) throw py::error_already_set();
+    comm = c10::string_view(p, size_t(n));
+  }
+  const at::Tensor& tensor(size_t i) const { return THPVariable_Unpack(a[i].ptr()); }
+  // The order token: the ops' schemas mark it written; nothing writes it.
+  at::Tensor& order(size_t i) const { return const_cast<at::Tensor&>(tensor(i)); }
+  c10::optional<at::Tensor> optional(size_t i) const {
+    return a[i].is_none() ? c10::nullopt : c10::optional<at::Tensor>(tensor(i));
+  }
+  double real(size_t i) const { return PyFloat_AS_DOUBLE(a[i].ptr()); }
+};
+
+// rdna4_comm._C.eager.<name>: run(Args) for a plain call, else the op's own callable.
+template <typename Run>
+void def(py::module_& m, const char* name, Run run) {
+  const Schema schema = schema_of(name);
+  const std::string qualified = std::string("rdna4_comm::") + name;
+  m.def(name, [schema, qualified, run](const py::args& args, const py::kwargs& kwargs) -> py::object {
+    if (!plain_call(schema, args, kwargs)) {
+      const py::object op = py::module_::import("torch").attr("ops").attr("rdna4_comm").attr(schema.name.c_str());
+      return op.attr("default").attr("op")(*args, **kwargs);
+    }
+    const Args plain(args, schema);
+    // Without the GIL, as the dispatcher's Python entry runs an op: a CPU
+    // transport op waits for its peers.
+    auto out = [&] {
+      py::gil_scoped_release no_gil;
+      RECORD_FUNCTION(qualified.c_str(), std::vector<c10::IValue>());
+      return run(plain);
+    }();
+    return py::cast(std::move(out));
+  });
+}
+
+void def_all(py::module_& m) {
+  def(m, "all_reduce", [](const Args& a) { return all_reduce_op(a.tensor(0), a.order(1), a.comm); });
+  def(m, "dispatch", [](const Args& a) {
+    return dispatch_op(a.tensor(0), a.tensor(1), a.optional(2), a.order(3), a.comm);
+  });
+  def(m, "dispatch_fp8", [](const Args& a) {
+    return dispatch_fp8_op(a.tensor(0), a.optional(1), a.tensor(2), a.optional(3), a.order(4), a.comm);
+  });
+  def(m, "combine", [](const Args& a) {
+    return combine_op(a.tensor(0), a.tensor(1), a.tensor(2), a.tensor(3), a.tensor(4), a.order(5), a.comm);
+  });
+  def(m, "dispatch_expert", [](const Args& a) {
+    return dispatch_expert_op(a.tensor(0), a.tensor(1), a.optional(2), a.order(3), a.comm);
+  });
+  def(m, "dispatch_expert_fp8", [](const Args& a) {
+    return dispatch_expert_fp8_op(a.tensor(0), a.optional(1), a.tensor(2), a.optional(3), a.order(4), a.comm);
+  });
+  def(m, "combine_expert", [](const Args& a) {
+    return combine_expert_op(a.tensor(0), a.tensor(1), a.tensor(2), a.tensor(3), a.tensor(4), a.tensor(5),
+                             a.order(6), a.comm);
+  });
+  def(m, "all_reduce_rmsnorm", [](const Args& a) {
+    return all_reduce_rmsnorm_op(a.tensor(0), a.optional(1), a.tensor(2), a.real(3), a.order(4), a.comm);
+  });
+  // The predicate, for the tests: would this call of op `name` skip the dispatcher?
+  m.def("is_plain_call", [](const std::string& name, const py::args& args, const py::kwargs& kwargs) {
+    return plain_call(schema_of(name.c_str()), args, kwargs);
+  }, py::arg("name"));
+}
+
+}  // namespace eager
+
 TORCH_LIBRARY(rdna4_comm, m) {
   m.def("all_reduce(Tensor x, Tensor(a!) order, str comm) -> Tensor");
   m.def(
@@ -318,6 +471,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, py::arg("id"), "combine's output: (shape, dtype)");
   m.attr("token_dim") = kTokenDim;
   m.def("check", &check, "Raise if an earlier op of the communicator failed");
+  py::module_ eager = m.def_submodule("eager", "The ops' eager entry points (ops.cpp, at namespace eager)");
+  eager::def_all(eager);
   m.def("watch_peers", &watch_peers, "Watch the peers' processes: [(rank, pid, start_time)]");
   m.def("process_start_time", &process_start_time, py::arg("pid"),
         "Start time of a process as /proc shows it, 0 if not visible");

@@ -26,12 +26,13 @@ from . import _C  # also loads the schemas into torch.ops.rdna4_comm
 _ORDER_TOKENS: dict[torch.device, torch.Tensor] = {}
 
 # The Communicator methods call the ops' .default overloads directly (no
-# overload resolution per call) where torch.compile traces them, and the
-# callables behind those overloads (OpOverload.op) in eager calls, which
-# skips a Python frame per call (OpOverload.__call__: 0.27 of the 2.5 us an
-# eager combine of no tokens costs on the CPU transport of a 2-core machine).
+# overload resolution per call) where torch.compile traces them, and in
+# eager calls the extension's entry points (_C.eager), which take plain
+# tensors to the ops' kernels without boxing their arguments through the
+# dispatcher, and hand anything else to the op itself (csrc/ops.cpp, at
+# namespace eager).
 _OPS = torch.ops.rdna4_comm
-_EAGER = {name: getattr(_OPS, name).default.op
+_EAGER = {name: getattr(_C.eager, name)
           for name in ("all_reduce", "all_reduce_rmsnorm", "dispatch", "combine", "dispatch_expert", "combine_expert",
                        "dispatch_fp8", "dispatch_expert_fp8")}
 
