@@ -356,17 +356,10 @@ Dispatched Comm::dispatch(const at::Tensor& x, const c10::optional<at::Tensor>& 
   return out;
 }
 
-at::Tensor Comm::combine(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
-                         const at::Tensor& src_tokens, const at::Tensor& send_mask) {
-  check();
-  static const char* op = "combine";
-  check_ep(cfg_, op);
+void Comm::check_handle_fields(const char* op, const at::Tensor& recv_src, const at::Tensor& counts,
+                               const at::Tensor& src_tokens, const at::Tensor& send_mask) const {
   const auto dev = device();
   const int64_t rows = int64_t(cfg_.world) * cfg_.cap;
-  check_device(op, "y", y, dev);
-  check_shape(op, "y", y, {rows, cfg_.hidden}, "[world_size * max_tokens_per_rank, hidden]");
-  check_dtype(op, "y", y, cfg_.dtype);
-  check_contiguous(op, "y", y);
   const std::pair<const char*, const at::Tensor*> handle[] = {
       {"handle.recv_src", &recv_src}, {"handle.counts", &counts},
       {"handle.src_tokens", &src_tokens}, {"handle.send_mask", &send_mask}};
@@ -381,6 +374,20 @@ at::Tensor Comm::combine(const at::Tensor& y, const at::Tensor& recv_src, const 
   TORCH_CHECK_VALUE(send_mask.dim() == 1 && send_mask.size(0) <= cfg_.cap, op,
                     ": handle.send_mask must have shape [T] with T <= ", cfg_.cap, ", got ",
                     shape_str(send_mask));
+}
+
+at::Tensor Comm::combine(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
+                         const at::Tensor& src_tokens, const at::Tensor& send_mask) {
+  check();
+  static const char* op = "combine";
+  check_ep(cfg_, op);
+  const auto dev = device();
+  const int64_t rows = int64_t(cfg_.world) * cfg_.cap;
+  check_device(op, "y", y, dev);
+  check_shape(op, "y", y, {rows, cfg_.hidden}, "[world_size * max_tokens_per_rank, hidden]");
+  check_dtype(op, "y", y, cfg_.dtype);
+  check_contiguous(op, "y", y);
+  check_handle_fields(op, recv_src, counts, src_tokens, send_mask);
   at::Tensor out = empty_output(combine_output(), send_mask.size(0));
   combine_impl(y, recv_src, counts, src_tokens, send_mask, out);
   return out;

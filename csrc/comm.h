@@ -255,6 +255,14 @@ class Comm {
   // the first run_deferred_checks() after the copy has landed. Not under a
   // graph capture (a replay's copy lands when the host does not look).
   void defer_check(std::initializer_list<at::Tensor> values, std::function<void(const int32_t*)> check);
+  // The deferred check of an expert-layout dispatch: `needed` ([1] int32)
+  // rows must fit expert_rows.
+  void check_expert_rows_later(const at::Tensor& needed);
+  // dispatch_expert's rule over the received rows of d, on the host.
+  ExpertDispatched expert_layout_on_host(const Dispatched& d, bool weights);
+  // A combine handle's tensor fields: device, dtype, contiguity, shape.
+  void check_handle_fields(const char* op, const at::Tensor& recv_src, const at::Tensor& counts,
+                           const at::Tensor& src_tokens, const at::Tensor& send_mask) const;
 
   std::string timeout_message(int op, int peer, uint64_t gen) const;
   // The handle is user input: every value that picks a row, a chunk or a

@@ -1,13 +1,50 @@
 // The EP ops' outputs: their shapes and dtypes (one definition for the
 // transports and the fakes), and the expert layout, which dispatch_expert
-// builds from the rank layout's rows with tensor ops on the op's device
-// (no host synchronisation; every transport gives the same bits, since
-// every transport's rank layout does) and combine_expert takes back.
+// builds from the rank layout's rows and combine_expert takes back (every
+// transport gives the same bits, since every transport's rank layout
+// does). On CPU tensors both run as loops over the received rows alone;
+// on device tensors, until kernels place the rows there, as tensor ops
+// over all W*cap row slots (no host synchronisation).
 #include "comm.h"
 
+#include <ATen/Dispatch.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <cstring>
+#include <utility>
+#include <vector>
+
 namespace rdna4_comm {
+namespace {
+
+// Slot k of a received row (ids: its K local ids, -1 where the expert lives
+// elsewhere) starts a pair when it names a local expert that no earlier
+// slot of the row names; the pair's weight is the fp32 sum of the row's
+// weights for that expert in slot order from there, rounded once.
+template <typename IdxT>
+bool starts_pair(const IdxT* ids, int64_t k) {
+  if (ids[k] < 0) return false;
+  for (int64_t i = 0; i < k; ++i)
+    if (ids[i] == ids[k]) return false;
+  return true;
+}
+template <typename IdxT, typename WT>
+WT pair_weight(const IdxT* ids, const WT* w, int64_t k, int64_t K) {
+  float acc = static_cast<float>(w[k]);
+  for (int64_t i = k + 1; i < K; ++i)
+    if (ids[i] == ids[k]) acc += static_cast<float>(w[i]);
+  return static_cast<WT>(acc);
+}
+
+int64_t received_rows(const at::Tensor& counts) {
+  const int32_t* c = counts.data_ptr<int32_t>();
+  int64_t n = 0;
+  for (int64_t s = 0; s < counts.numel(); ++s) n += c[s];
+  return n;
+}
+
+}  // namespace
 
 std::array<OutputSpec, kDispatchOutputs> Comm::dispatch_outputs(at::ScalarType idx_dtype,
                                                                 c10::optional<at::ScalarType> weights_dtype) const {
@@ -67,6 +104,7 @@ std::array<OutputSpec, kExpertDispatchOutputs> Comm::dispatch_expert_outputs(
 ExpertDispatched Comm::dispatch_expert(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales,
                                        const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights) {
   Dispatched d = dispatch(x, x_scales, topk_idx, topk_weights);
+  if (d.x.is_cpu()) return expert_layout_on_host(d, topk_weights.has_value());
   const int64_t E = cfg_.experts_per_rank(), K = cfg_.topk, A = cfg_.expert_alignment, n = cfg_.expert_rows();
   const at::Tensor ids = d.topk_idx.to(at::kLong);  // [R, K]: local ids, -1 where the expert is elsewhere
   const int64_t R = ids.size(0);
@@ -90,13 +128,7 @@ ExpertDispatched Comm::dispatch_expert(const at::Tensor& x, const c10::optional<
   const at::Tensor to = at::where(kept, dest, n).reshape(-1);
   // The rows the pairs need: up to the end of the last nonempty block (its
   // alignment padding need not fit).
-  const at::Tensor needed_rows = (offsets.narrow(0, 0, E) + counts).amax().view({1});
-  defer_check({needed_rows.to(at::kInt)}, [this, n](const int32_t* needed) {
-    TORCH_CHECK_VALUE(*needed <= n, "dispatch: the expert layout of an earlier call needed ", *needed,
-                      " rows, more than this communicator's expert_rows = ", n,
-                      " (max_expert_rows): the rows past it were dropped and nothing was written out of bounds. "
-                      "Pass a larger max_expert_rows, or none for the worst case");
-  });
+  check_expert_rows_later((offsets.narrow(0, 0, E) + counts).amax().view({1}).to(at::kInt));
 
   ExpertDispatched out;
   at::Tensor source = at::full({n + 1}, -1, ids.options());
@@ -130,6 +162,88 @@ ExpertDispatched Comm::dispatch_expert(const at::Tensor& x, const c10::optional<
   return out;
 }
 
+void Comm::check_expert_rows_later(const at::Tensor& needed) {
+  const int64_t n = cfg_.expert_rows();
+  defer_check({needed}, [n](const int32_t* rows) {
+    TORCH_CHECK_VALUE(*rows <= n, "dispatch: the expert layout of an earlier call needed ", *rows,
+                      " rows, more than this communicator's expert_rows = ", n,
+                      " (max_expert_rows): the rows past it were dropped and nothing was written out of bounds. "
+                      "Pass a larger max_expert_rows, or none for the worst case");
+  });
+}
+
+// The rule of dispatch_expert above, row by row over the rows received.
+ExpertDispatched Comm::expert_layout_on_host(const Dispatched& d, bool weights) {
+  const int64_t E = cfg_.experts_per_rank(), K = cfg_.topk, A = cfg_.expert_alignment, n = cfg_.expert_rows();
+  const int64_t R = d.topk_idx.size(0), received = received_rows(d.counts);
+  const bool fp8 = cfg_.fp8();
+  const int64_t row_bytes = cfg_.hidden * int64_t(c10::elementSize(cfg_.dispatched_dtype()));
+  const int64_t S = fp8 ? d.x_scales.size(1) : 0;
+  ExpertDispatched out;
+  out.x = empty({n, cfg_.hidden}, cfg_.dispatched_dtype());
+  if (fp8) out.x_scales = empty({n, S}, at::kFloat);
+  out.topk_weights = weights ? empty({n}, d.topk_weights.scalar_type()) : empty({0}, at::kFloat);
+  out.expert_rows_of = at::full({R, K}, -1, d.topk_idx.options().dtype(at::kInt));
+  const size_t nE = static_cast<size_t>(E);
+  std::vector<int64_t> counts(nE, 0), offsets(nE + 1, 0), next(nE, 0);
+  const char* x_in = static_cast<const char*>(d.x.data_ptr());
+  char* x_out = static_cast<char*>(out.x.data_ptr());
+  int32_t* rows_of = out.expert_rows_of.data_ptr<int32_t>();
+  AT_DISPATCH_INDEX_TYPES(d.topk_idx.scalar_type(), "dispatch_expert", [&] {
+    const index_t* ids = d.topk_idx.data_ptr<index_t>();
+    for (int64_t j = 0; j < received; ++j)
+      for (int64_t k = 0; k < K; ++k)
+        if (starts_pair(ids + j * K, k)) ++counts[size_t(ids[j * K + k])];
+    for (size_t e = 0; e < nE; ++e) offsets[e + 1] = offsets[e] + (counts[e] + A - 1) / A * A;
+    // Alignment padding rows (those that fit) are zeros, their scales and weights too.
+    for (size_t e = 0; e < nE; ++e) {
+      const int64_t lo = std::min(offsets[e] + counts[e], n), hi = std::min(offsets[e + 1], n);
+      if (hi <= lo) continue;
+      std::memset(x_out + lo * row_bytes, 0, size_t((hi - lo) * row_bytes));
+      if (fp8) out.x_scales.narrow(0, lo, hi - lo).zero_();
+      if (weights) out.topk_weights.narrow(0, lo, hi - lo).zero_();
+    }
+    std::copy(offsets.begin(), offsets.end() - 1, next.begin());
+    const float* scales_in = fp8 ? d.x_scales.data_ptr<float>() : nullptr;
+    float* scales_out = fp8 ? out.x_scales.data_ptr<float>() : nullptr;
+    const at::ScalarType w_dtype = weights ? d.topk_weights.scalar_type() : at::kFloat;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, w_dtype, "dispatch_expert", [&] {
+      const scalar_t* w_in = weights ? d.topk_weights.data_ptr<scalar_t>() : nullptr;
+      scalar_t* w_out = weights ? out.topk_weights.data_ptr<scalar_t>() : nullptr;
+      std::vector<std::pair<index_t, int32_t>> pairs;  // (expert, row) of a received row's kept pairs
+      for (int64_t j = 0; j < received; ++j) {
+        const index_t* row_ids = ids + j * K;
+        pairs.clear();
+        for (int64_t k = 0; k < K; ++k) {
+          if (!starts_pair(row_ids, k)) continue;
+          const int64_t at = next[size_t(row_ids[k])]++;
+          if (at >= n) continue;  // past expert_rows: dropped, and raised at a later op
+          std::memcpy(x_out + at * row_bytes, x_in + j * row_bytes, size_t(row_bytes));
+          if (fp8) std::memcpy(scales_out + at * S, scales_in + j * S, size_t(S) * sizeof(float));
+          if (weights) w_out[at] = pair_weight(row_ids, w_in + j * K, k, K);
+          pairs.emplace_back(row_ids[k], int32_t(at));
+        }
+        std::sort(pairs.begin(), pairs.end());
+        for (size_t i = 0; i < pairs.size(); ++i) rows_of[j * K + int64_t(i)] = pairs[i].second;
+      }
+    });
+  });
+  int64_t needed = 0;
+  for (int64_t e = 0; e < E; ++e) needed = std::max(needed, offsets[size_t(e)] + counts[size_t(e)]);
+  out.expert_counts = empty({E}, at::kInt);
+  out.expert_offsets = empty({E + 1}, at::kInt);
+  for (int64_t e = 0; e <= E; ++e) {
+    if (e < E) out.expert_counts.data_ptr<int32_t>()[e] = int32_t(counts[size_t(e)]);
+    out.expert_offsets.data_ptr<int32_t>()[e] = int32_t(offsets[size_t(e)]);
+  }
+  check_expert_rows_later(at::full({1}, needed, d.counts.options()));
+  out.recv_src = d.recv_src;
+  out.counts = d.counts;
+  out.src_tokens = d.src_tokens;
+  out.send_mask = d.send_mask;
+  return out;
+}
+
 at::Tensor Comm::combine_expert(const at::Tensor& y, const at::Tensor& expert_rows_of, const at::Tensor& recv_src,
                                 const at::Tensor& counts, const at::Tensor& src_tokens, const at::Tensor& send_mask) {
   check();
@@ -146,6 +260,30 @@ at::Tensor Comm::combine_expert(const at::Tensor& y, const at::Tensor& expert_ro
   // Each received row: its expert rows summed in fp32 in ascending expert
   // order, from the first, rounded once. A value outside [0, n) (a forged
   // handle) names no row.
+  if (y.is_cpu()) {
+    check_handle_fields(op, recv_src, counts, src_tokens, send_mask);
+    // A forged count reads no row outside [0, R); combine raises for it.
+    const int64_t received = std::min(std::max(received_rows(counts), int64_t(0)), R), H = cfg_.hidden;
+    const at::Tensor yc = y.contiguous(), of = expert_rows_of.contiguous();
+    at::Tensor rows = empty({R, H}, cfg_.dtype);
+    const int32_t* rows_of = of.data_ptr<int32_t>();
+    std::vector<float> acc(static_cast<size_t>(H));
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cfg_.dtype, "combine_expert", [&] {
+      const scalar_t* in = yc.data_ptr<scalar_t>();
+      scalar_t* sums = rows.data_ptr<scalar_t>();
+      for (int64_t j = 0; j < received; ++j) {
+        // -0.0 is the sum of no terms: x + -0.0 == x for every x, -0.0 included.
+        std::fill(acc.begin(), acc.end(), -0.f);
+        for (int64_t k = 0; k < K; ++k) {
+          const int64_t r = rows_of[j * K + k];
+          if (r < 0 || r >= n) continue;
+          for (int64_t h = 0; h < H; ++h) acc[size_t(h)] += static_cast<float>(in[r * H + h]);
+        }
+        for (int64_t h = 0; h < H; ++h) sums[j * H + h] = static_cast<scalar_t>(acc[size_t(h)]);
+      }
+    });
+    return combine(rows, recv_src, counts, src_tokens, send_mask);
+  }
   const at::Tensor rows = expert_rows_of.to(at::kLong);
   const at::Tensor valid = (rows >= 0) & (rows < n);
   const at::Tensor at_row = at::where(valid, rows, 0);

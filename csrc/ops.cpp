@@ -222,8 +222,8 @@ bool plain_tensor(PyObject* obj) {
   // inference tensors) autograd ones.
   const c10::DispatchKeySet keys = t.key_set();
   const c10::BackendComponent b = keys.highestBackendKey();
-  const c10::DispatchKeySet dense =
-      c10::DispatchKeySet(c10::DispatchKey::Dense) | c10::DispatchKeySet(b) | c10::getAutocastRelatedKeySetFromBackend(b);
+  const c10::DispatchKeySet dense = c10::DispatchKeySet(c10::DispatchKey::Dense) | c10::DispatchKeySet(b) |
+                                    c10::getAutocastRelatedKeySetFromBackend(b);
   return keys == dense || keys == (dense | c10::getAutogradRelatedKeySetFromBackend(b));
 }
 
