@@ -212,10 +212,12 @@ Schema schema_of(const char* name) {
   return {name, kinds};
 }
 
+// torch.nn.Parameter, set when the module is made (def_all); never released.
+PyObject* parameter_type = nullptr;
+
 bool plain_tensor(PyObject* obj) {
-  static PyObject* parameter = py::object(py::module_::import("torch.nn").attr("Parameter")).release().ptr();
   PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(obj));
-  if (type != THPVariableClass && type != parameter) return false;
+  if (type != THPVariableClass && type != parameter_type) return false;
   const at::Tensor& t = THPVariable_Unpack(obj);
   if (t.requires_grad() && c10::GradMode::is_enabled()) return false;
   // A dense tensor's keys: its backend's, with autocast and (but for
@@ -233,7 +235,7 @@ bool plain_call(const Schema& schema, const py::args& args, const py::kwargs& kw
   if (at::impl::torch_function_mode_enabled() || c10::impl::TorchDispatchModeTLS::stack_len() != 0) return false;
   if (!(c10::impl::tls_local_dispatch_key_set().included_ - c10::default_included_set).empty()) return false;
   for (size_t i = 0; i < args.size(); ++i) {
-    PyObject* a = args[i].ptr();
+    PyObject* a = PyTuple_GET_ITEM(args.ptr(), Py_ssize_t(i));
     const char kind = schema.kinds[i];
     const bool ok = kind == 's'   ? PyUnicode_Check(a)
                     : kind == 'f' ? PyFloat_Check(a)
@@ -244,26 +246,30 @@ bool plain_call(const Schema& schema, const py::args& args, const py::kwargs& kw
   return true;
 }
 
-// The arguments of a call that plain_call accepted, as the op takes them.
-// Read without the GIL: a tensor's or float's value is a field of its
-// object, and str()'s text was taken (with the GIL) when Args was made.
+// The arguments of a call that plain_call accepted, as the op takes them,
+// read without the GIL: made (with the GIL) from borrowed pointers to the
+// call's argument tuple, which outlives the call, so reading them touches
+// no reference count; a tensor's or float's value is a field of its object,
+// and the str's text is taken here.
 struct Args {
-  const py::args& a;
+  static constexpr size_t kMost = 8;
+  PyObject* item[kMost];
   c10::string_view comm;  // the call's str argument, the communicator's id
-  Args(const py::args& args, const Schema& schema) : a(args) {
-    const size_t i = schema.kinds.find('s');
+  Args(const py::args& args, const Schema& schema) {
+    TORCH_INTERNAL_ASSERT(args.size() <= kMost);
+    for (size_t i = 0; i < args.size(); ++i) item[i] = PyTuple_GET_ITEM(args.ptr(), Py_ssize_t(i));
     Py_ssize_t n = 0;
-    const char* p = PyUnicode_AsUTF8AndSize(a[i].ptr(), &n);
+    const char* p = PyUnicode_AsUTF8AndSize(item[schema.kinds.find('s')], &n);
     if (p == nullptr) throw py::error_already_set();
     comm = c10::string_view(p, size_t(n));
   }
-  const at::Tensor& tensor(size_t i) const { return THPVariable_Unpack(a[i].ptr()); }
+  const at::Tensor& tensor(size_t i) const { return THPVariable_Unpack(item[i]); }
   // The order token: the ops' schemas mark it written; nothing writes it.
   at::Tensor& order(size_t i) const { return const_cast<at::Tensor&>(tensor(i)); }
   c10::optional<at::Tensor> optional(size_t i) const {
-    return a[i].is_none() ? c10::nullopt : c10::optional<at::Tensor>(tensor(i));
+    return item[i] == Py_None ? c10::nullopt : c10::optional<at::Tensor>(tensor(i));
   }
-  double real(size_t i) const { return PyFloat_AS_DOUBLE(a[i].ptr()); }
+  double real(size_t i) const { return PyFloat_AS_DOUBLE(item[i]); }
 };
 
 // rdna4_comm._C.eager.<name>: run(Args) for a plain call, else the op's own callable.
@@ -289,6 +295,7 @@ void def(py::module_& m, const char* name, Run run) {
 }
 
 void def_all(py::module_& m) {
+  parameter_type = py::object(py::module_::import("torch.nn").attr("Parameter")).release().ptr();
   def(m, "all_reduce", [](const Args& a) { return all_reduce_op(a.tensor(0), a.order(1), a.comm); });
   def(m, "dispatch", [](const Args& a) {
     return dispatch_op(a.tensor(0), a.tensor(1), a.optional(2), a.order(3), a.comm);
