@@ -213,6 +213,35 @@ def test_overflow_raises_at_the_next_call_and_the_ranks_stay_in_step(world):
         assert torch.equal(total, torch.full((4,), float(W * (W + 1) // 2))), (r, total)
 
 
+def t_forged_and_strided(ctx, cfg):
+    comm, dev, H = ctx.comm(**cfg), ctx.device, cfg["hidden"]
+    x, idx, w = ep_inputs(5, ctx.rank, ctx.world, cfg["max_tokens_per_rank"], ref_cfg(cfg), "random")
+    d = comm.dispatch(x.to(dev), idx.to(dev), w.to(dev), layout="expert")
+    y, h, n = expert_fn(d.x, ctx.rank), d.handle, comm.expert_rows
+    # Values outside [0, expert_rows) name no row: forged into every -1 entry.
+    unused = h.expert_rows_of < 0
+    bad = torch.tensor([-5, n, 2**31 - 1], dtype=torch.int32, device=dev).repeat(int(unused.sum()) // 3 + 1)
+    forged = h.expert_rows_of.clone()
+    forged[unused] = bad[: int(unused.sum())]
+    # Strided y and expert_rows_of: the left halves of wider tensors.
+    wide_y = torch.zeros(n, 2 * H, dtype=y.dtype, device=dev)
+    wide_y[:, :H] = y
+    wide_of = torch.full((h.expert_rows_of.shape[0], 2 * cfg["topk"]), -1, dtype=torch.int32, device=dev)
+    wide_of[:, : cfg["topk"]] = h.expert_rows_of
+    out = comm.combine(y, h)
+    out_forged = comm.combine(y, h._replace(expert_rows_of=forged))
+    out_strided = comm.combine(wide_y[:, :H], h._replace(expert_rows_of=wide_of[:, : cfg["topk"]]))
+    return out, out_forged, out_strided, bool(unused.any())
+
+
+def test_forged_expert_rows_name_no_row_and_strided_inputs_give_the_same_sums(world):
+    cfg = ep_config(6, 8, 3, 4 * world.size, torch.bfloat16, 4)
+    for out, out_forged, out_strided, forged_any in world.run(t_forged_and_strided, cfg):
+        assert forged_any
+        assert_bitwise(out_forged, out, "forged expert_rows_of values")
+        assert_bitwise(out_strided, out, "strided y and expert_rows_of")
+
+
 def t_opcheck(ctx, cfg):
     comm, dev = ctx.comm(**cfg), ctx.device
     x, idx, w = ep_inputs(3, ctx.rank, ctx.world, cfg["max_tokens_per_rank"], ref_cfg(cfg), "every_rank")
