@@ -207,7 +207,6 @@ RC_DEVICE ReceiverStart receiver_start(const Env& env, const CombineArgs& a, con
 // flag from peer r, then the group's tokens in the range are summed in
 // batches of a block.
 static_assert(kMaxGpuWorld * kMaxGroup <= kThreads, "combine waiters fit a block");
-static_assert((kMaxGroup & (kMaxGroup - 1)) == 0, "a waiter's chunk and rank are a mask and a shift");
 template <DType D>
 RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineShared& sh, uint64_t gen,
                                 const OwnRange& range, const ReceiverStart& start, int vec) {

@@ -23,7 +23,7 @@ struct DispatchShared {
   int32_t warp_tot[kMaxWarps][kMaxGpuWorld];
   uint32_t batch_mask[kThreads];
   int32_t batch_pos[kThreads][kMaxGpuWorld];
-  Sources src;  // every source's header (receivers; every block before the padding); senders: lower ranks' counts
+  Sources src;  // every source's header (receivers; every block before the padding)
   int32_t item_src[kMaxGroup];
   uint32_t item_row_start[kMaxGroup], item_first[kMaxGroup + 1];
 };

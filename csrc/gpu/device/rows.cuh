@@ -15,10 +15,11 @@ namespace rdna4_comm {
 namespace gpu {
 
 // Vectors in flight per thread in a row copy or sum (a sum's fp32
-// accumulators fit beside them: one combine kernel per dtype). A span of at
-// most kShortUnroll vectors per lane (a small batch's rows) takes a loop
-// unrolled that far instead: the unrolled body is code every warp fetches
-// cold at each launch, and a short span would fetch 8 vectors' worth of it.
+// accumulators fit beside them: one combine kernel per dtype). A copy's
+// span of at most kShortUnroll vectors per lane (a small batch's rows) takes
+// a loop unrolled that far instead: the unrolled body is code every warp
+// fetches cold at each launch, and a short span would fetch 8 vectors' worth
+// of it. (Sums keep kRowUnroll: a second sum loop spills the combine kernels.)
 constexpr int kRowUnroll = 8;
 constexpr int kShortUnroll = 2;
 
@@ -89,11 +90,12 @@ RC_DEVICE void copy_row(const char* src, RowOf row_of, uint32_t mask, const RowS
 // sum_one, so every transport and the reference round alike. The ranks are
 // taken one set bit at a time and each row's pointer computed when it is
 // read, so the loop is as long as the mask, not the largest world.
-template <int U, DType D, typename V, typename RowOf>
-RC_DEVICE void sum_span(RowOf row_of, uint32_t mask, V* o, const RowSpan& s) {
+template <DType D, typename V, typename RowOf>
+RC_DEVICE void sum_row(RowOf row_of, uint32_t mask, char* out, const RowSpan& s) {
   using E = Elem<D>;
   using Pack = ElemPack<D, V>;
-  constexpr int N = Pack::N;
+  constexpr int N = Pack::N, U = kRowUnroll;
+  V* o = reinterpret_cast<V*>(out);
   for (uint32_t v0 = s.first; v0 < s.end; v0 += s.stride * U) {
     float acc[U][N];
     auto load = [&](uint32_t m, Pack (&p)[U]) {
@@ -129,11 +131,6 @@ RC_DEVICE void sum_span(RowOf row_of, uint32_t mask, V* o, const RowSpan& s) {
       o[v] = q.v;
     }
   }
-}
-template <DType D, typename V, typename RowOf>
-RC_DEVICE void sum_row(RowOf row_of, uint32_t mask, char* out, const RowSpan& s) {
-  V* o = reinterpret_cast<V*>(out);
-  sum_span<kRowUnroll, D>(row_of, mask, o, s);
 }
 
 // The rows of a group of G work items as one batch of n-vector rows
