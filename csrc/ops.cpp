@@ -192,7 +192,7 @@ namespace eager {
 // An op's argument kinds, from its registered schema: 'T' Tensor, 'O'
 // Tensor?, 'f' float, 's' str.
 struct Schema {
-  std::string name, kinds;
+  std::string qualified, kinds;
 };
 Schema schema_of(const char* name) {
   const std::string qualified = std::string("rdna4_comm::") + name;
@@ -209,7 +209,7 @@ Schema schema_of(const char* name) {
     TORCH_CHECK(kind != '?', qualified, ": no eager entry point for argument ", a.name(), " of type ", t->str());
     kinds += kind;
   }
-  return {name, kinds};
+  return {qualified, kinds};
 }
 
 // torch.nn.Parameter, set when the module is made (def_all); never released.
@@ -272,22 +272,22 @@ struct Args {
   double real(size_t i) const { return PyFloat_AS_DOUBLE(item[i]); }
 };
 
-// rdna4_comm._C.eager.<name>: run(Args) for a plain call, else the op's own callable.
+// rdna4_comm._C.eager.<name>: run(Args) for a plain call, else the op's
+// own callable (torch.ops.rdna4_comm.<name>.default.op, looked up once,
+// when the module is made; never released, like the op).
 template <typename Run>
 void def(py::module_& m, const char* name, Run run) {
   const Schema schema = schema_of(name);
-  const std::string qualified = std::string("rdna4_comm::") + name;
-  m.def(name, [schema, qualified, run](const py::args& args, const py::kwargs& kwargs) -> py::object {
-    if (!plain_call(schema, args, kwargs)) {
-      const py::object op = py::module_::import("torch").attr("ops").attr("rdna4_comm").attr(schema.name.c_str());
-      return op.attr("default").attr("op")(*args, **kwargs);
-    }
+  const py::object ops = py::module_::import("torch").attr("ops").attr("rdna4_comm");
+  PyObject* op = py::object(ops.attr(name).attr("default").attr("op")).release().ptr();
+  m.def(name, [schema, op, run](const py::args& args, const py::kwargs& kwargs) -> py::object {
+    if (!plain_call(schema, args, kwargs)) return py::reinterpret_borrow<py::object>(op)(*args, **kwargs);
     const Args plain(args, schema);
     // Without the GIL, as the dispatcher's Python entry runs an op: a CPU
     // transport op waits for its peers.
     auto out = [&] {
       py::gil_scoped_release no_gil;
-      RECORD_FUNCTION(qualified.c_str(), std::vector<c10::IValue>());
+      RECORD_FUNCTION(schema.qualified.c_str(), std::vector<c10::IValue>());
       return run(plain);
     }();
     return py::cast(std::move(out));
