@@ -41,17 +41,6 @@ RC_DEVICE uint32_t row_units(const Layout& L) {
   return uint32_t(L.hidden * (kMode == kRowsAsIs ? L.elt : 1) / int64_t(sizeof(V)));
 }
 
-// An FP8 row's n scales from src to scales_of(d) for every rank d in
-// `mask`, by the warp whose piece starts the row (s.lead: lanes k = lane,
-// lane + stride, ...). kInput: src is an op's input.
-template <bool kInput, typename ScalesOf>
-RC_DEVICE void copy_scales(const float* src, int64_t n, ScalesOf scales_of, uint32_t mask, const RowSpan& s) {
-  for (int64_t k = s.first; k < n; k += s.stride) {
-    const float v = kInput ? load_input(src + k) : src[k];
-    for (uint32_t m = mask; m != 0; m &= m - 1) scales_of(lowest_bit(m))[k] = v;
-  }
-}
-
 // Routing slots of a row per lane of its lead warp.
 constexpr int kSlotsPerLane = (kMaxTopk + kMinWarpSize - 1) / kMinWarpSize;
 

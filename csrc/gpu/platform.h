@@ -247,12 +247,27 @@ RC_DEVICE uint64_t warp_ballot(bool pred) {
 #endif
 }
 RC_DEVICE int popcount64(uint64_t v) { return __popcll(v); }
-// Index of the lowest set bit of a non-zero word.
+// Index of the lowest set bit of a non-zero word (32 or 64 bits).
 RC_DEVICE int lowest_bit(uint32_t v) {
 #ifdef RC_HIP
   return __builtin_ctz(v);
 #else
   return __ffs(int(v)) - 1;
+#endif
+}
+RC_DEVICE int lowest_bit(uint64_t v) {
+#ifdef RC_HIP
+  return __builtin_ctzll(v);
+#else
+  return __ffsll(static_cast<long long>(v)) - 1;
+#endif
+}
+// Value of `v` on lane `src` of the warp.
+RC_DEVICE int32_t warp_shfl(int32_t v, int src) {
+#ifdef RC_HIP
+  return __shfl(v, src);
+#else
+  return __shfl_sync(0xffffffffu, v, src);
 #endif
 }
 // Value of `v` on lane (this lane ^ mask) of the warp.

@@ -49,17 +49,17 @@ RC_DEVICE void for_row_pieces(uint32_t rows, uint32_t n, Piece piece) {
   for (; r <= r_last; ++r, v0 = 0) piece(r, RowSpan{v0 + lane, ws, r == r_last ? v_last : n, v0 == 0});
 }
 
-// A row's vectors of span `s` from src to row_of(d), for every rank d in
-// `mask` (the same on every lane of the warp): each vector is loaded once
-// and stored to every destination, the destinations taken one set bit at a
-// time (the loop is as long as the mask, not the largest world). kInput:
-// src is an op's input, which nothing writes while the kernel runs
-// (load_input); else heap memory that a peer wrote in this op (plain loads,
-// ordered after the flag's acquire).
+// A row's vectors of span `s` from src to row_of(d), for every d in `mask`
+// (ranks, or an expert-layout row's pair rows; the same on every lane of
+// the warp): each vector is loaded once and stored to every destination,
+// the destinations taken one set bit at a time (the loop is as long as the
+// mask, not the largest world). kInput: src is an op's input, which
+// nothing writes while the kernel runs (load_input); else heap memory that a
+// peer wrote in this op (plain loads, ordered after the flag's acquire).
 RC_DEVICE bool short_span(const RowSpan& s) { return s.end <= s.first + kShortUnroll * s.stride; }
 
-template <int U, typename V, bool kInput, typename RowOf>
-RC_DEVICE void copy_span(const V* in, RowOf row_of, uint32_t mask, const RowSpan& s) {
+template <int U, typename V, bool kInput, typename RowOf, typename Mask>
+RC_DEVICE void copy_span(const V* in, RowOf row_of, Mask mask, const RowSpan& s) {
   for (uint32_t v0 = s.first; v0 < s.end; v0 += s.stride * U) {
     V val[U];
 #pragma unroll
@@ -67,7 +67,7 @@ RC_DEVICE void copy_span(const V* in, RowOf row_of, uint32_t mask, const RowSpan
       const uint32_t v = v0 + u * s.stride;
       if (v < s.end) val[u] = kInput ? load_input(in + v) : in[v];
     }
-    for (uint32_t m = mask; m != 0; m &= m - 1) {
+    for (Mask m = mask; m != 0; m &= m - 1) {
       V* o = reinterpret_cast<V*>(row_of(lowest_bit(m)));
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -77,28 +77,40 @@ RC_DEVICE void copy_span(const V* in, RowOf row_of, uint32_t mask, const RowSpan
     }
   }
 }
-template <typename V, bool kInput, typename RowOf>
-RC_DEVICE void copy_row(const char* src, RowOf row_of, uint32_t mask, const RowSpan& s) {
+template <typename V, bool kInput, typename RowOf, typename Mask>
+RC_DEVICE void copy_row(const char* src, RowOf row_of, Mask mask, const RowSpan& s) {
   const V* in = reinterpret_cast<const V*>(src);
   if (short_span(s)) copy_span<kShortUnroll, V, kInput>(in, row_of, mask, s);
   else copy_span<kRowUnroll, V, kInput>(in, row_of, mask, s);
 }
 
-// A row's vectors of span `s` of one output row: the sum over the ranks r in
-// `mask`, ascending, of their rows row_of(r), in fp32 starting from the
-// first term, rounded once to D; zeros for an empty mask. The order of
-// sum_one, so every transport and the reference round alike. The ranks are
-// taken one set bit at a time and each row's pointer computed when it is
-// read, so the loop is as long as the mask, not the largest world.
-template <DType D, typename V, typename RowOf>
-RC_DEVICE void sum_row(RowOf row_of, uint32_t mask, char* out, const RowSpan& s) {
+// An FP8 row's n scales from src to scales_of(d) for every d in `mask`, by
+// the warp whose piece starts the row (s.lead: lanes k = lane, lane +
+// stride, ...). kInput: src is an op's input.
+template <bool kInput, typename ScalesOf, typename Mask>
+RC_DEVICE void copy_scales(const float* src, int64_t n, ScalesOf scales_of, Mask mask, const RowSpan& s) {
+  for (int64_t k = s.first; k < n; k += s.stride) {
+    const float v = kInput ? load_input(src + k) : src[k];
+    for (Mask m = mask; m != 0; m &= m - 1) scales_of(lowest_bit(m))[k] = v;
+  }
+}
+
+// A row's vectors of span `s` of one output row: the sum over the terms i in
+// `mask` (ranks, or an expert-layout row's pair rows), ascending, of their
+// rows row_of(i), in fp32 starting from the first term, rounded once to D;
+// zeros for an empty mask. The order of sum_one, so every transport and the
+// reference round alike. The terms are taken one set bit at a time and each
+// row's pointer computed when it is read, so the loop is as long as the
+// mask, not the largest world.
+template <DType D, typename V, typename RowOf, typename Mask>
+RC_DEVICE void sum_row(RowOf row_of, Mask mask, char* out, const RowSpan& s) {
   using E = Elem<D>;
   using Pack = ElemPack<D, V>;
   constexpr int N = Pack::N, U = kRowUnroll;
   V* o = reinterpret_cast<V*>(out);
   for (uint32_t v0 = s.first; v0 < s.end; v0 += s.stride * U) {
     float acc[U][N];
-    auto load = [&](uint32_t m, Pack (&p)[U]) {
+    auto load = [&](Mask m, Pack (&p)[U]) {
       const V* in = reinterpret_cast<const V*>(row_of(lowest_bit(m)));
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -113,7 +125,7 @@ RC_DEVICE void sum_row(RowOf row_of, uint32_t mask, char* out, const RowSpan& s)
       for (int u = 0; u < U; ++u)
 #pragma unroll
         for (int k = 0; k < N; ++k) acc[u][k] = E::load(p[u].e[k]);
-      for (uint32_t m = mask & (mask - 1); m != 0; m &= m - 1) {
+      for (Mask m = mask & (mask - 1); m != 0; m &= m - 1) {
         load(m, p);
 #pragma unroll
         for (int u = 0; u < U; ++u)
