@@ -258,8 +258,9 @@ class Comm {
   // The deferred check of an expert-layout dispatch: `needed` ([1] int32)
   // rows must fit expert_rows.
   void check_expert_rows_later(const at::Tensor& needed);
-  // dispatch_expert's rule over the received rows of d, on the host.
-  ExpertDispatched expert_layout_on_host(const Dispatched& d, bool weights);
+  // dispatch_expert's rule over the received rows of d, on the host, into
+  // out's layout fields and `needed` (as expert_layout_on_gpu).
+  void expert_layout_on_host(const Dispatched& d, ExpertDispatched& out, const at::Tensor& needed);
   // A combine handle's tensor fields: device, dtype, contiguity, shape.
   void check_handle_fields(const char* op, const at::Tensor& recv_src, const at::Tensor& counts,
                            const at::Tensor& src_tokens, const at::Tensor& send_mask) const;
@@ -324,6 +325,17 @@ std::shared_ptr<Comm> make_dist_comm(CommConfig cfg);
 std::shared_ptr<Comm> make_gpu_comm(CommConfig cfg);
 // Whether the current stream of the device is capturing a graph.
 bool current_stream_capturing(int device_index);
+// The expert layout on the device (csrc/gpu/expert_layout.cu), on the
+// current stream, over the rows received alone: out's x, x_scales,
+// topk_weights, expert_counts, expert_offsets and expert_rows_of (allocated
+// by the caller, in the shapes of Comm::dispatch_expert_outputs) from the
+// rank-layout result d, and `needed` ([1] int32) the rows its pairs need.
+void expert_layout_on_gpu(const Dispatched& d, int64_t experts, int64_t alignment, ExpertDispatched& out,
+                          const at::Tensor& needed);
+// combine_expert's first half on the device: each received row's pair rows
+// of y (expert_rows_of) summed into `rows` ([W*cap, H], fresh).
+void sum_expert_rows_on_gpu(const at::Tensor& y, const at::Tensor& expert_rows_of, const at::Tensor& counts,
+                            const at::Tensor& rows);
 // Test kernels (rdna4_comm._C.testing), on the device's current stream.
 void occupy_gpu(int device_index, double fraction, int64_t ms);
 void store_out_of_bounds(int device_index);

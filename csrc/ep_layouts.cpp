@@ -2,9 +2,9 @@
 // transports and the fakes), and the expert layout, which dispatch_expert
 // builds from the rank layout's rows and combine_expert takes back (every
 // transport gives the same bits, since every transport's rank layout
-// does). On CPU tensors both run as loops over the received rows alone;
-// on device tensors, until kernels place the rows there, as tensor ops
-// over all W*cap row slots (no host synchronisation).
+// does). Both run over the received rows alone: as loops on CPU tensors,
+// as kernels on device tensors (csrc/gpu/expert_layout.cu, with no host
+// synchronisation).
 #include "comm.h"
 
 #include <ATen/Dispatch.h>
@@ -100,65 +100,36 @@ std::array<OutputSpec, kExpertDispatchOutputs> Comm::dispatch_expert_outputs(
 // Slot k of row j is e's "first" slot when no earlier slot of the row names
 // e; it carries the pair's destination, the pair's weight (the fp32 sum of
 // the row's weights for e, in slot order from the first, rounded once) and,
-// through it, the combine's map from rows back to expert rows.
+// through it, the combine's map from rows back to expert rows. A pair past
+// expert_rows is dropped (check_expert_rows_later raises for it).
 ExpertDispatched Comm::dispatch_expert(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales,
                                        const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights) {
   Dispatched d = dispatch(x, x_scales, topk_idx, topk_weights);
-  if (d.x.is_cpu()) return expert_layout_on_host(d, topk_weights.has_value());
-  const int64_t E = cfg_.experts_per_rank(), K = cfg_.topk, A = cfg_.expert_alignment, n = cfg_.expert_rows();
-  const at::Tensor ids = d.topk_idx.to(at::kLong);  // [R, K]: local ids, -1 where the expert is elsewhere
-  const int64_t R = ids.size(0);
-  const at::Tensor here = ids >= 0;
-  // same[j, k, k']: slots k and k' of row j name the same expert; earlier[k, k']: k' < k.
-  const at::Tensor same = (ids.unsqueeze(2) == ids.unsqueeze(1)) & here.unsqueeze(2);
-  const at::Tensor slot = at::arange(K, ids.options());
-  const at::Tensor earlier = slot.view({1, K}) < slot.view({K, 1});
-  // first[j, k]: no earlier slot of row j names the same expert.
-  const at::Tensor first = here & ~(same & earlier).any(2);
-  const at::Tensor e = at::where(first, ids, 0);
-  // has[j, e]: row j has expert e; counts, aligned offsets, row positions.
-  const at::Tensor has = at::zeros({R, E + 1}, ids.options()).scatter_(1, at::where(here, ids, E), 1).narrow(1, 0, E);
-  const at::Tensor counts = has.sum(0);
-  const at::Tensor offsets = at::cat({at::zeros({1}, ids.options()), (at::floor_divide(counts + (A - 1), A) * A).cumsum(0)});
-  const at::Tensor before = has.cumsum(0) - has;  // rows above j with e
-  const at::Tensor dest = offsets.index_select(0, e.reshape(-1)).view({R, K}) + before.gather(1, e);
-  // A pair past the layout's rows (max_expert_rows too small) is dropped:
-  // it goes to the extra row n, which no output keeps.
-  const at::Tensor kept = first & (dest < n);
-  const at::Tensor to = at::where(kept, dest, n).reshape(-1);
-  // The rows the pairs need: up to the end of the last nonempty block (its
-  // alignment padding need not fit).
-  check_expert_rows_later((offsets.narrow(0, 0, E) + counts).amax().view({1}).to(at::kInt));
-
+  const bool weights = topk_weights.has_value();
+  const int64_t E = cfg_.experts_per_rank(), n = cfg_.expert_rows(), R = d.topk_idx.size(0), K = cfg_.topk;
   ExpertDispatched out;
-  at::Tensor source = at::full({n + 1}, -1, ids.options());
-  source.scatter_(0, to, at::arange(R, ids.options()).view({R, 1}).expand({R, K}).reshape(-1));
-  source = source.narrow(0, 0, n);
-  // Rows without a pair (alignment padding, the tail) are zeros, scales too.
-  // FP8 rows move as their bytes.
-  const at::Tensor paired = (source >= 0).unsqueeze(1), at_source = source.clamp_min(0);
-  auto expert_rows = [&](const at::Tensor& rows) { return at::where(paired, rows.index_select(0, at_source), 0); };
-  out.x = cfg_.fp8() ? expert_rows(d.x.view(at::kByte)).view(cfg_.dispatched_dtype()) : expert_rows(d.x);
-  if (cfg_.fp8()) out.x_scales = expert_rows(d.x_scales);
-  out.expert_counts = counts.to(at::kInt);
-  out.expert_offsets = offsets.to(at::kInt);
-  if (topk_weights.has_value()) {
-    // The pair's weight: its slots' weights summed in slot order, from its first slot.
-    const at::Tensor w = d.topk_weights, w32 = w.to(at::kFloat);
-    const at::Tensor later_same = same & earlier.t();  // [j, k, k']: k' > k names the same expert
-    at::Tensor acc = w32;
-    for (int64_t k = 1; k < K; ++k) acc = at::where(later_same.select(2, k), acc + w32.narrow(1, k, 1), acc);
-    out.topk_weights = at::zeros({n + 1}, w.options()).scatter_(0, to, acc.to(w.scalar_type()).reshape(-1)).narrow(0, 0, n);
+  out.x = empty({n, cfg_.hidden}, cfg_.dispatched_dtype());
+  if (cfg_.fp8()) out.x_scales = empty({n, d.x_scales.size(1)}, at::kFloat);
+  out.topk_weights = weights ? empty({n}, d.topk_weights.scalar_type()) : empty({0}, at::kFloat);
+  out.expert_counts = empty({E}, at::kInt);
+  out.expert_offsets = empty({E + 1}, at::kInt);
+  out.expert_rows_of = empty({R, K}, at::kInt);
+  const at::Tensor needed = empty({1}, at::kInt);
+  if (d.x.is_cpu()) {
+    expert_layout_on_host(d, out, needed);
   } else {
-    out.topk_weights = at::empty({0}, d.x.options().dtype(at::kFloat));
+#ifdef RDNA4_COMM_WITH_GPU
+    expert_layout_on_gpu(d, E, cfg_.expert_alignment, out, needed);
+#else
+    TORCH_CHECK(false, "dispatch: the expert layout of device tensors needs rdna4_comm's GPU kernels, and this "
+                "build has none (built without CUDA or ROCm): rebuild it with a GPU build of torch (README.md)");
+#endif
   }
+  check_expert_rows_later(needed);
   out.recv_src = d.recv_src;
   out.counts = d.counts;
   out.src_tokens = d.src_tokens;
   out.send_mask = d.send_mask;
-  // A row's expert rows in ascending expert order (what combine sums), then -1.
-  const at::Tensor order = std::get<1>(at::sort(at::where(kept, ids, E), c10::optional<bool>(true), /*dim=*/1, /*descending=*/false));
-  out.expert_rows_of = at::where(kept, dest, -1).gather(1, order).to(at::kInt).contiguous();
   return out;
 }
 
@@ -173,17 +144,13 @@ void Comm::check_expert_rows_later(const at::Tensor& needed) {
 }
 
 // The rule of dispatch_expert above, row by row over the rows received.
-ExpertDispatched Comm::expert_layout_on_host(const Dispatched& d, bool weights) {
+void Comm::expert_layout_on_host(const Dispatched& d, ExpertDispatched& out, const at::Tensor& needed) {
   const int64_t E = cfg_.experts_per_rank(), K = cfg_.topk, A = cfg_.expert_alignment, n = cfg_.expert_rows();
-  const int64_t R = d.topk_idx.size(0), received = received_rows(d.counts);
-  const bool fp8 = cfg_.fp8();
+  const int64_t received = received_rows(d.counts);
+  const bool fp8 = cfg_.fp8(), weights = d.topk_weights.numel() > 0;
   const int64_t row_bytes = cfg_.hidden * int64_t(c10::elementSize(cfg_.dispatched_dtype()));
   const int64_t S = fp8 ? d.x_scales.size(1) : 0;
-  ExpertDispatched out;
-  out.x = empty({n, cfg_.hidden}, cfg_.dispatched_dtype());
-  if (fp8) out.x_scales = empty({n, S}, at::kFloat);
-  out.topk_weights = weights ? empty({n}, d.topk_weights.scalar_type()) : empty({0}, at::kFloat);
-  out.expert_rows_of = at::full({R, K}, -1, d.topk_idx.options().dtype(at::kInt));
+  out.expert_rows_of.fill_(-1);
   const size_t nE = static_cast<size_t>(E);
   std::vector<int64_t> counts(nE, 0), offsets(nE + 1, 0), next(nE, 0);
   const char* x_in = static_cast<const char*>(d.x.data_ptr());
@@ -228,20 +195,13 @@ ExpertDispatched Comm::expert_layout_on_host(const Dispatched& d, bool weights) 
       }
     });
   });
-  int64_t needed = 0;
-  for (int64_t e = 0; e < E; ++e) needed = std::max(needed, offsets[size_t(e)] + counts[size_t(e)]);
-  out.expert_counts = empty({E}, at::kInt);
-  out.expert_offsets = empty({E + 1}, at::kInt);
+  int64_t most = 0;
+  for (int64_t e = 0; e < E; ++e) most = std::max(most, offsets[size_t(e)] + counts[size_t(e)]);
+  *needed.data_ptr<int32_t>() = int32_t(most);
   for (int64_t e = 0; e <= E; ++e) {
     if (e < E) out.expert_counts.data_ptr<int32_t>()[e] = int32_t(counts[size_t(e)]);
     out.expert_offsets.data_ptr<int32_t>()[e] = int32_t(offsets[size_t(e)]);
   }
-  check_expert_rows_later(at::full({1}, needed, d.counts.options()));
-  out.recv_src = d.recv_src;
-  out.counts = d.counts;
-  out.src_tokens = d.src_tokens;
-  out.send_mask = d.send_mask;
-  return out;
 }
 
 at::Tensor Comm::combine_expert(const at::Tensor& y, const at::Tensor& expert_rows_of, const at::Tensor& recv_src,
@@ -257,42 +217,43 @@ at::Tensor Comm::combine_expert(const at::Tensor& y, const at::Tensor& expert_ro
   check_device(op, "handle.expert_rows_of", expert_rows_of, dev);
   check_dtype(op, "handle.expert_rows_of", expert_rows_of, at::kInt);
   check_shape(op, "handle.expert_rows_of", expert_rows_of, {R, K}, "[world_size * max_tokens_per_rank, topk]");
+  // counts picks the rows summed: its device, dtype and shape first.
+  check_handle_fields(op, recv_src, counts, src_tokens, send_mask);
   // Each received row: its expert rows summed in fp32 in ascending expert
   // order, from the first, rounded once. A value outside [0, n) (a forged
-  // handle) names no row.
+  // handle) names no row, and a forged count reads no row outside [0, R):
+  // combine raises for it.
+  const at::Tensor rows = empty({R, cfg_.hidden}, cfg_.dtype), yc = y.contiguous(), of = expert_rows_of.contiguous();
   if (y.is_cpu()) {
-    check_handle_fields(op, recv_src, counts, src_tokens, send_mask);
-    // A forged count reads no row outside [0, R); combine raises for it.
     const int64_t received = std::min(std::max(received_rows(counts), int64_t(0)), R), H = cfg_.hidden;
-    const at::Tensor yc = y.contiguous(), of = expert_rows_of.contiguous();
-    at::Tensor rows = empty({R, H}, cfg_.dtype);
     const int32_t* rows_of = of.data_ptr<int32_t>();
     std::vector<float> acc(static_cast<size_t>(H));
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cfg_.dtype, "combine_expert", [&] {
       const scalar_t* in = yc.data_ptr<scalar_t>();
       scalar_t* sums = rows.data_ptr<scalar_t>();
       for (int64_t j = 0; j < received; ++j) {
-        // -0.0 is the sum of no terms: x + -0.0 == x for every x, -0.0 included.
+        // Starting from -0.0 is starting from the first term (x + -0.0 == x
+        // for every x, -0.0 included); a row with no terms is zeros.
         std::fill(acc.begin(), acc.end(), -0.f);
+        bool any = false;
         for (int64_t k = 0; k < K; ++k) {
           const int64_t r = rows_of[j * K + k];
           if (r < 0 || r >= n) continue;
+          any = true;
           for (int64_t h = 0; h < H; ++h) acc[size_t(h)] += static_cast<float>(in[r * H + h]);
         }
-        for (int64_t h = 0; h < H; ++h) sums[j * H + h] = static_cast<scalar_t>(acc[size_t(h)]);
+        for (int64_t h = 0; h < H; ++h) sums[j * H + h] = static_cast<scalar_t>(any ? acc[size_t(h)] : 0.f);
       }
     });
-    return combine(rows, recv_src, counts, src_tokens, send_mask);
+  } else {
+#ifdef RDNA4_COMM_WITH_GPU
+    sum_expert_rows_on_gpu(yc, of, counts, rows);
+#else
+    TORCH_CHECK(false, "combine: the expert layout of device tensors needs rdna4_comm's GPU kernels, and this "
+                "build has none (built without CUDA or ROCm): rebuild it with a GPU build of torch (README.md)");
+#endif
   }
-  const at::Tensor rows = expert_rows_of.to(at::kLong);
-  const at::Tensor valid = (rows >= 0) & (rows < n);
-  const at::Tensor at_row = at::where(valid, rows, 0);
-  auto term = [&](int64_t k) { return y.index_select(0, at_row.select(1, k)).to(at::kFloat); };
-  auto ok = [&](int64_t k) { return valid.narrow(1, k, 1); };
-  // -0.0 is the sum of no terms: x + -0.0 == x for every x, -0.0 included.
-  at::Tensor acc = at::where(ok(0), term(0), -0.f);
-  for (int64_t k = 1; k < K; ++k) acc = at::where(ok(k), acc + term(k), acc);
-  return combine(acc.to(cfg_.dtype).contiguous(), recv_src, counts, src_tokens, send_mask);
+  return combine(rows, recv_src, counts, src_tokens, send_mask);
 }
 
 }  // namespace rdna4_comm

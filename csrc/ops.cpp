@@ -520,6 +520,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_grid("dispatch_grid", &dispatch_grid);
   bind_grid("combine_grid", &combine_grid);
   testing.def("allreduce_blocks", &allreduce_blocks, py::arg("share_bytes"), py::arg("sm_count"));
+  testing.def("expert_chunks", &expert_chunks, py::arg("rows"));
+  testing.def("expert_chunk_blocks", &expert_chunk_blocks, py::arg("rows"), py::arg("sm_count"));
+  testing.def("expert_row_blocks", &expert_row_blocks, py::arg("rows"), py::arg("sm_count"));
+  testing.attr("expert_chunk_rows") = kExpertChunkRows;
   // (signal bytes, data bytes) of the heap layout of a configuration.
   // The FP8 rule of fp8.h (what the CPU transport and the kernels run), on
   // CPU tensors: the conversion alone, and whole rows.

@@ -292,6 +292,24 @@ RC_HD EpGrid combine_grid(int64_t ntok, int world, int sm_count) {
   const int recv = ep_own_role_blocks(ntok, world, sm_count);
   return {clamp_blocks(int64_t(world - 1) * ep_num_chunks(ntok), ep_grid_budget(sm_count) - recv), recv};
 }
+// The expert layout on GPUs (csrc/gpu/expert_layout.cu) takes the received
+// rows in chunks of 32, one per lane of a warp, so the rows of a chunk that
+// have an expert are one 32-bit word; its scratch holds two words per
+// (chunk, local expert): that bitmask, and the rows of the earlier chunks
+// that have the expert. Its tally takes a chunk per warp; its placement
+// (with the row copies) and its sums split the rows received among the
+// blocks, so that a few rows still spread over as many multiprocessors. Each grid is at
+// most kExpertBlocksPerSm blocks per multiprocessor, sized for the most rows
+// (rows = W * cap); the rows received are read on the device, and the
+// blocks with none left return at once.
+constexpr int64_t kExpertChunkRows = 32;
+constexpr int64_t kExpertBlocksPerSm = 4;
+RC_HD int64_t expert_chunks(int64_t rows) { return ceil_div(rows, kExpertChunkRows); }
+RC_HD int expert_chunk_blocks(int64_t rows, int sm_count) {
+  return clamp_blocks(ceil_div(expert_chunks(rows), kGpuBlockThreads / kExpertChunkRows), kExpertBlocksPerSm * sm_count);
+}
+RC_HD int expert_row_blocks(int64_t rows, int sm_count) { return clamp_blocks(rows, kExpertBlocksPerSm * sm_count); }
+
 RC_HD int allreduce_blocks(int64_t share_bytes, int sm_count) {
   const int64_t most = sm_count / 2 < kMaxAllReduceBlocks ? sm_count / 2 : kMaxAllReduceBlocks;
   return clamp_blocks(ceil_div(share_bytes, kAllReduceBytesPerBlock), most);

@@ -1,5 +1,6 @@
 """The workload scripts/gpu_sanitize.sh runs under compute-sanitizer: every
-op once, small, with W = 2 ranks on the GPU (sharing it where there is one),
+op once, small (dispatch and combine in both layouts), with W = 2 ranks on
+the GPU (sharing it where there is one),
 eager and under graph replay, each result checked bitwise against
 rdna4_comm.reference (the fused op's `out` against its contract).
 
@@ -24,6 +25,7 @@ from rdna4_comm._ranks import RankContext
 
 W, CAP, H, TOPK = 2, 16, 64, 2
 EXPERTS = 4 * W
+ALIGNMENT = 4  # the expert layout's: padding rows to write
 TIMEOUT_MS = 600_000  # the sanitizer slows kernels by orders of magnitude
 EPS = 1e-6
 
@@ -62,7 +64,8 @@ AR_ONE_SHOT, AR_TWO_SHOT = (5, 100), (300_000,)  # fp32: below and above the one
 def every_op(ctx: RankContext, plant: bool):
     dev, r = ctx.device, ctx.rank
     comm = rc.Communicator(max_tokens_per_rank=CAP, hidden=H, topk=TOPK, num_experts=EXPERTS,
-                           dtype=torch.bfloat16, allreduce_slot_bytes=SLOT, timeout_ms=TIMEOUT_MS)
+                           dtype=torch.bfloat16, allreduce_slot_bytes=SLOT, timeout_ms=TIMEOUT_MS,
+                           expert_alignment=ALIGNMENT)
     H2 = wide_hidden()
     x, idx, w = (t.to(dev) for t in ep_inputs(r, 1, 11))
     a1, a2 = tensor(2, r, AR_ONE_SHOT, torch.float32).to(dev), tensor(3, r, AR_TWO_SHOT, torch.float32).to(dev)
@@ -73,9 +76,11 @@ def every_op(ctx: RankContext, plant: bool):
     def step():
         d = comm.dispatch(x, idx, w)
         out = comm.combine(d.x * 2, d.handle)
+        e = comm.dispatch(x, idx, w, layout="expert")
+        out_e = comm.combine(e.x * 2, e.handle)
         fused1 = comm.all_reduce_rmsnorm(f1, residual1, weight1, EPS)
         fused2 = comm.all_reduce_rmsnorm(f2, residual2, weight2, EPS)
-        return d, out, comm.all_reduce(a1), comm.all_reduce(a2), fused1, fused2
+        return d, out, e, out_e, comm.all_reduce(a1), comm.all_reduce(a2), fused1, fused2
 
     eager = step()
     torch.cuda.synchronize()
@@ -98,15 +103,24 @@ def check(per_rank) -> None:
     xs, idxs, ws = zip(*(ep_inputs(r, 1, 11) for r in range(W)))
     ref = reference.dispatch(list(xs), list(idxs), list(ws), num_experts=EXPERTS, max_tokens_per_rank=CAP)
     ref_out = reference.combine([ref[r].x * 2 for r in range(W)], ref)
+    ref_e = reference.dispatch(list(xs), list(idxs), list(ws), num_experts=EXPERTS, max_tokens_per_rank=CAP,
+                               layout="expert", expert_alignment=ALIGNMENT)
+    ref_e_out = reference.combine([ref_e[r].x * 2 for r in range(W)], ref_e)
     sums = [reference.all_reduce([tensor(s, r, shape, torch.float32) for r in range(W)])
             for s, shape in ((2, AR_ONE_SHOT), (3, AR_TWO_SHOT))]
     fused_inputs = [(4, 6, 8, (3, H)), (5, 7, 9, (3, H2))]
     for r in range(W):
         eager, replays, _ = per_rank[r]
-        for what, (d, out, s1, s2, *fused) in [("eager", eager)] + [(f"replay {i}", p) for i, p in enumerate(replays)]:
+        for what, (d, out, e, out_e, s1, s2, *fused) in [("eager", eager)] + [(f"replay {i}", p) for i, p in enumerate(replays)]:
+            n = int(ref_e[r].expert_offsets[-1])  # expert rows past it are unspecified
             for name, got, want in (("dispatch x", received_rows(d), received_rows(ref[r])), ("dispatch counts", d.counts, ref[r].counts),
-                                    ("combine", out, ref_out[r]), ("all_reduce one-shot", s1, sums[0]),
-                                    ("all_reduce two-shot", s2, sums[1])):
+                                    ("combine", out, ref_out[r]),
+                                    ("expert layout x", e.x[:n], ref_e[r].x[:n]),
+                                    ("expert layout weights", e.topk_weights[:n], ref_e[r].topk_weights[:n]),
+                                    ("expert layout offsets", e.expert_offsets, ref_e[r].expert_offsets),
+                                    ("expert_rows_of", e.handle.expert_rows_of, ref_e[r].handle.expert_rows_of),
+                                    ("combine of the expert layout", out_e, ref_e_out[r]),
+                                    ("all_reduce one-shot", s1, sums[0]), ("all_reduce two-shot", s2, sums[1])):
                 assert_same(got, want, f"rank {r} {what}: {name} against rdna4_comm.reference")
             for (out_f, residual_out), (xs_seed, res_seed, w_seed, shape) in zip(fused, fused_inputs):
                 residual, weight = tensor(res_seed, 0, shape), tensor(w_seed, 0, shape[-1:])

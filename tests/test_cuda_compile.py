@@ -75,5 +75,5 @@ def test_gpu_host_glue_compiles_against_torch_and_cuda_headers(tmp_path):
 
     # The files with code under RDNA4_COMM_WITH_GPU, two at a time (torch's headers take a while).
     with ThreadPoolExecutor(2) as pool:
-        for cmd, res in pool.map(check, ("csrc/gpu/gpu_comm.cpp", "csrc/torch_dist/dist_comm.cpp", "csrc/ops.cpp")):
+        for cmd, res in pool.map(check, ("csrc/gpu/gpu_comm.cpp", "csrc/torch_dist/dist_comm.cpp", "csrc/ops.cpp", "csrc/ep_layouts.cpp")):
             assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stderr[-4000:]}"

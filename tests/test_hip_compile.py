@@ -25,6 +25,7 @@ KERNELS_OF = {
     "all_reduce_rmsnorm.cu": ["all_reduce_rmsnorm_kernel"],
     "dispatch.cu": ["dispatch_kernel"],
     "combine.cu": ["combine_kernel"],
+    "expert_layout.cu": ["expert_tally_kernel", "expert_offsets_kernel", "expert_place_kernel", "expert_sum_kernel"],
     "probe.cu": ["probe_kernel"],
     "testing.cu": ["occupy_kernel", "store_out_of_bounds_kernel", "fp8_conversion_check_kernel"],
 }
@@ -66,10 +67,11 @@ def gfx1201_asm(tmp_path_factory) -> dict[str, str]:
     return {p.name: compile_hip(p, "gfx1201", out) for p in SOURCES}
 
 
-# Kernels only the tests launch; they take no part in the protocol, so the
-# protocol checks below skip them (every source still compiles and is checked
-# for scratch and wave size).
-TEST_ONLY_SOURCE = "testing.cu"
+# Kernels that take no part in the protocol (no heap, no flag, no wait):
+# the expert layout's, and those only the tests launch. The protocol checks
+# below skip them (every source still compiles and is checked for scratch and
+# wave size).
+NO_PROTOCOL_SOURCES = ("expert_layout.cu", "testing.cu")
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +79,7 @@ def gfx1201(gfx1201_asm) -> dict[str, str]:
     """Every gfx1201 protocol kernel body, by (mangled) name, over all sources."""
     bodies = {}
     for source, asm in gfx1201_asm.items():
-        if source != TEST_ONLY_SOURCE:
+        if source not in NO_PROTOCOL_SOURCES:
             bodies.update(kernels(asm))
     return bodies
 
@@ -102,6 +104,11 @@ def test_every_kernel_is_there(gfx1201_asm):
     assert len([n for n in kernels(gfx1201_asm["dispatch.cu"]) if "dispatch_kernel" in n]) == 8 + 8
     # One combine kernel per dtype.
     assert len([n for n in kernels(gfx1201_asm["combine.cu"]) if "combine_kernel" in n]) == 3
+    # The expert layout's placement for int32 and int64 ids with 16-byte and
+    # 1-byte row vectors; its sums, one kernel per dtype.
+    expert = " ".join(kernels(gfx1201_asm["expert_layout.cu"]))
+    for name, count in (("expert_place_kernel", 4), ("expert_sum_kernel", 3)):
+        assert expert.count(name) == count, (name, expert)
     # Rows in registers, rows of vectors, rows of elements, for three dtypes.
     assert len([n for n in kernels(gfx1201_asm["all_reduce_rmsnorm.cu"]) if "all_reduce_rmsnorm_kernel" in n]) == 9
 

@@ -100,6 +100,22 @@ def test_allreduce_blocks():
     assert _C.testing.allreduce_blocks(1 << 40, 4000) <= _C.testing.max_launch_blocks
 
 
+@pytest.mark.parametrize("sms", [1, 8, H200_SMS])
+def test_expert_layout_grids_cover_the_rows_and_stay_within_four_blocks_per_multiprocessor(sms):
+    # The tally: a warp per chunk of 32 rows, a block of 16 warps; the
+    # placement and the sums: a block per row. Both capped at 4 blocks per
+    # multiprocessor (the kernels loop over what is left).
+    chunk_rows, warps = _C.testing.expert_chunk_rows, _C.testing.gpu_block_threads // 32
+    assert chunk_rows == 32
+    for rows in (1, 8, 31, 32, 33, 512, 513, 4096, 8 * 4096, 8 << 18):
+        chunks = _C.testing.expert_chunks(rows)
+        assert chunks == ceil_div(rows, chunk_rows)
+        assert _C.testing.expert_chunk_blocks(rows, sms) == min(ceil_div(chunks, warps), 4 * sms)
+        assert _C.testing.expert_row_blocks(rows, sms) == min(rows, 4 * sms)
+    # A decode step on a prefill-sized capacity: its 8 rows take 8 blocks of the grid.
+    assert _C.testing.expert_row_blocks(4096, H200_SMS) >= 8
+
+
 def test_signal_region_does_not_grow_with_the_capacity():
     # Chunk slots and combine flags are per (parity, source, chunk), and a
     # source publishes at most 128 chunks whatever its token count.

@@ -402,4 +402,69 @@ bool current_stream_capturing(int device_index) {
   return capturing;
 }
 
+namespace {
+int sm_count_of(int device_index) {
+  int n = 0;
+  RC_GPU_CHECK(multiprocessor_count(&n, device_index));
+  return n;
+}
+}  // namespace
+
+void expert_layout_on_gpu(const Dispatched& d, int64_t experts, int64_t alignment, ExpertDispatched& out,
+                          const at::Tensor& needed) {
+  const int dev = d.x.get_device();
+  c10::cuda::CUDAGuard guard(dev);
+  const int64_t R = d.topk_idx.size(0), K = d.topk_idx.size(1);
+  // Scratch: per (chunk, expert) a bitmask and a prefix (expert_layout.cu).
+  const at::Tensor scratch = at::empty({2, expert_chunks(R), experts}, d.counts.options());
+  ExpertLayoutArgs a{};
+  a.ids = d.topk_idx.data_ptr();
+  a.ids_int64 = d.topk_idx.scalar_type() == at::kLong;
+  a.weights = d.topk_weights.numel() > 0 ? d.topk_weights.data_ptr() : nullptr;
+  a.weights_dtype = dtype_of(d.topk_weights.scalar_type());
+  a.x = static_cast<const char*>(d.x.data_ptr());
+  a.scales = d.x_scales.defined() ? d.x_scales.data_ptr<float>() : nullptr;
+  a.counts = d.counts.data_ptr<int32_t>();
+  a.world = int(d.counts.size(0));
+  a.rows = R;
+  a.topk = K;
+  a.experts = experts;
+  a.alignment = alignment;
+  a.expert_rows = out.x.size(0);
+  a.row_bytes = d.x.size(1) * int64_t(d.x.element_size());
+  a.scales_per_row = d.x_scales.defined() ? d.x_scales.size(1) : 0;
+  a.sm_count = sm_count_of(dev);
+  a.chunk_masks = reinterpret_cast<uint32_t*>(scratch[0].data_ptr<int32_t>());
+  a.chunk_prefix = scratch[1].data_ptr<int32_t>();
+  a.out_x = static_cast<char*>(out.x.data_ptr());
+  a.out_scales = out.x_scales.defined() ? out.x_scales.data_ptr<float>() : nullptr;
+  a.out_weights = a.weights ? out.topk_weights.data_ptr() : nullptr;
+  a.out_counts = out.expert_counts.data_ptr<int32_t>();
+  a.out_offsets = out.expert_offsets.data_ptr<int32_t>();
+  a.out_rows_of = out.expert_rows_of.data_ptr<int32_t>();
+  a.out_needed = needed.data_ptr<int32_t>();
+  launch_expert_layout(a, c10::cuda::getCurrentCUDAStream(dev).stream());
+  RC_GPU_CHECK(get_last_error());
+}
+
+void sum_expert_rows_on_gpu(const at::Tensor& y, const at::Tensor& expert_rows_of, const at::Tensor& counts,
+                            const at::Tensor& rows) {
+  const int dev = y.get_device();
+  c10::cuda::CUDAGuard guard(dev);
+  ExpertSumArgs a{};
+  a.y = y.data_ptr();
+  a.rows_of = expert_rows_of.data_ptr<int32_t>();
+  a.counts = counts.data_ptr<int32_t>();
+  a.world = int(counts.size(0));
+  a.rows = rows.size(0);
+  a.topk = expert_rows_of.size(1);
+  a.expert_rows = y.size(0);
+  a.hidden = y.size(1);
+  a.dtype = dtype_of(y.scalar_type());
+  a.sm_count = sm_count_of(dev);
+  a.out = rows.data_ptr();
+  launch_expert_sum(a, c10::cuda::getCurrentCUDAStream(dev).stream());
+  RC_GPU_CHECK(get_last_error());
+}
+
 }  // namespace rdna4_comm

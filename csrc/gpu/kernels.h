@@ -1,6 +1,6 @@
 // Launch interface of the device kernels, one launch_* per op family, each
 // defined in its own .cu (all_reduce.cu, all_reduce_rmsnorm.cu, dispatch.cu,
-// combine.cu, probe.cu).
+// combine.cu, expert_layout.cu, probe.cu).
 // Plain types only (no torch), so the kernels compile on their own as CUDA or
 // as HIP for any target.
 #pragma once
@@ -79,6 +79,44 @@ struct CombineArgs {
   void* out;  // [T, H]
 };
 
+// The expert layout of a rank-layout dispatch result (expert_layout.cu;
+// docs/semantics.md, "Expert layout"). R = W*cap rows, of which the first
+// sum(counts) were received; E local experts.
+struct ExpertLayoutArgs {
+  const void* ids;  // [R, K] local ids, -1 where the slot's expert lives elsewhere
+  bool ids_int64;
+  const void* weights;  // [R, K] of weights_dtype, or nullptr
+  DType weights_dtype;
+  const char* x;        // [R, row_bytes]
+  const float* scales;  // FP8: [R, S]; else nullptr
+  const int32_t* counts;  // [W]
+  int world;
+  int64_t rows, topk, experts, alignment, expert_rows, row_bytes, scales_per_row;
+  int sm_count;
+  uint32_t* chunk_masks;     // scratch [expert_chunks(R), E]
+  int32_t* chunk_prefix;     // scratch [expert_chunks(R), E]
+  char* out_x;               // [expert_rows, row_bytes]
+  float* out_scales;         // FP8: [expert_rows, S]; else nullptr
+  void* out_weights;         // [expert_rows] of weights_dtype, or nullptr
+  int32_t* out_counts;       // [E]
+  int32_t* out_offsets;      // [E + 1]
+  int32_t* out_rows_of;      // [R, K]
+  int32_t* out_needed;       // [1]: the rows the pairs need (end of the furthest expert's rows)
+};
+
+// combine of an expert-layout y, first half: each received row's pair rows
+// summed (sum_row), into the rank layout's rows.
+struct ExpertSumArgs {
+  const void* y;             // [expert_rows, H] of dtype
+  const int32_t* rows_of;    // [R, K]
+  const int32_t* counts;     // [W] (a handle's: clamped)
+  int world;
+  int64_t rows, topk, expert_rows, hidden;
+  DType dtype;
+  int sm_count;
+  void* out;                 // [R, H] of dtype; rows past the received ones are left unwritten
+};
+
 // One chunk of all_reduce_rmsnorm (whole rows, at most rmsnorm_chunk_rows),
 // or, with `local`, the residual add and the norm alone: x then holds the
 // reduced rows (it may alias residual_out) and nothing is communicated.
@@ -101,6 +139,8 @@ void launch_all_reduce(const Env& env, const AllReduceArgs& a, Stream s);
 void launch_dispatch(const Env& env, const DispatchArgs& a, Stream s);
 void launch_combine(const Env& env, const CombineArgs& a, Stream s);
 void launch_all_reduce_rmsnorm(const Env& env, const AllReduceRmsNormArgs& a, Stream s);
+void launch_expert_layout(const ExpertLayoutArgs& a, Stream s);
+void launch_expert_sum(const ExpertSumArgs& a, Stream s);
 // Writes, per source rank, the number of probe words that arrived wrong (or
 // -1 when its flag never came) into `result` (device memory, [W] int32).
 void launch_probe(const Env& env, int32_t* result, int corrupt_dst, Stream s);

@@ -1,0 +1,324 @@
+// The expert layout on the device (docs/semantics.md, "Expert layout";
+// ep_layouts.cpp runs the same rule on the host for CPU tensors): a
+// rank-layout dispatch result's received rows grouped by local expert
+// (launch_expert_layout), and the pair-row sums that take an expert-layout y
+// back to rank-layout rows (launch_expert_sum). Plain stream-ordered
+// kernels: they touch no heap and no flag, so they need no generation and
+// no co-residency. They go over the rows received (the sum of counts, read
+// on the device), not the capacity: a decode step on a prefill-sized
+// communicator pays for its own rows.
+//
+// The rows are placed in three kernels, over chunks of kExpertChunkRows
+// received rows (protocol.h):
+//  1. tally: a warp per chunk sets, for each local expert e, the bitmask of
+//     the chunk's rows that have e (chunk_masks);
+//  2. offsets, one block: per expert, the rows of the earlier chunks that
+//     have it (chunk_prefix), its count, the aligned offsets, the rows needed;
+//  3. place: a share of the received rows per block. A thread per row gives
+//     its pairs their rows and writes expert_rows_of and the weights, then
+//     the block copies the rows, each loaded once and stored to each of its
+//     pair rows; then the alignment padding.
+// combine_expert's sums take a share of the received rows per block too.
+#include <type_traits>
+
+#include "device/rows.cuh"
+
+namespace rdna4_comm {
+namespace gpu {
+namespace {
+
+constexpr int kChunkRows = int(kExpertChunkRows);
+static_assert(kChunkRows <= kMinWarpSize && kChunkRows == 32, "a chunk's bitmask is one 32-bit word, a row per lane");
+static_assert(kMaxTopk <= 64, "a row's pairs are one 64-bit mask");
+// Experts per pass over a warp's shared bitmasks in the tally.
+constexpr int kExpertTile = 256;
+
+// The rows received: the sum of counts, clamped to [0, rows] (a combine
+// handle's counts are user input; the combine after the sums raises for bad ones).
+RC_DEVICE int32_t rows_received(const int32_t* counts, int world, int64_t rows) {
+  int64_t n = 0;
+  for (int s = 0; s < world; ++s) n += counts[s];
+  return int32_t(n < 0 ? 0 : (n > rows ? rows : n));
+}
+
+// Slots k of a received row (its K local ids, -1 where the expert lives
+// elsewhere) that start a pair: slot k names a local expert that no earlier
+// slot names. One bit per slot. The ids come a group at a time, the group's
+// loads in flight together (the earlier groups' are read again from cache).
+template <typename IdxT>
+RC_DEVICE uint64_t pair_slots(const IdxT* ids, int K) {
+  constexpr int G = 8;
+  uint64_t first = 0;
+  for (int k0 = 0; k0 < K; k0 += G) {
+    IdxT g[G];
+#pragma unroll
+    for (int u = 0; u < G; ++u) g[u] = k0 + u < K ? ids[k0 + u] : IdxT(-1);
+#pragma unroll
+    for (int u = 0; u < G; ++u) {
+      bool seen = g[u] < 0;
+#pragma unroll
+      for (int v = 0; v < u; ++v) seen = seen || g[v] == g[u];
+      for (int i = 0; i < k0 && !seen; ++i) seen = ids[i] == g[u];
+      if (!seen) first |= uint64_t(1) << (k0 + u);
+    }
+  }
+  return first;
+}
+
+template <typename IdxT>
+__global__ void __launch_bounds__(kThreads) expert_tally_kernel(ExpertLayoutArgs a) {
+  __shared__ uint32_t tile[kMaxWarps][kExpertTile];
+  const int ws = warp_size(), nw = kThreads / ws, warp = int(threadIdx.x) / ws, lane = lane_id(), K = int(a.topk);
+  const int64_t E = a.experts;
+  const int32_t received = rows_received(a.counts, a.world, a.rows), chunks = int32_t(expert_chunks(received));
+  const IdxT* ids = static_cast<const IdxT*>(a.ids);
+  // Block-uniform loops: every warp reaches every barrier.
+  for (int32_t c0 = int32_t(blockIdx.x) * nw; c0 < chunks; c0 += int32_t(gridDim.x) * nw) {
+    const int32_t c = c0 + warp, j = c * kChunkRows + lane;
+    const IdxT* row = ids + int64_t(j) * K;
+    const uint64_t slots = c < chunks && lane < kChunkRows && j < received ? pair_slots(row, K) : 0;
+    for (int64_t e0 = 0; e0 < E; e0 += kExpertTile) {
+      for (int i = lane; i < kExpertTile; i += ws) tile[warp][i] = 0;
+      block_sync();
+      for (uint64_t m = slots; m != 0; m &= m - 1) {
+        const int64_t e = int64_t(row[lowest_bit(m)]) - e0;
+        if (e >= 0 && e < kExpertTile) atomicOr(&tile[warp][e], 1u << lane);
+      }
+      block_sync();
+      if (c < chunks)
+        for (int64_t i = lane; i < kExpertTile && e0 + i < E; i += ws) a.chunk_masks[int64_t(c) * E + e0 + i] = tile[warp][i];
+      block_sync();  // the tile is read before the next pass clears it
+    }
+  }
+}
+
+// Exclusive prefix sum of v over the block's threads; *total gets the
+// block's sum on every thread.
+RC_DEVICE int32_t block_exclusive_sum(int32_t v, int32_t* total, int32_t (&warp_tot)[kMaxWarps]) {
+  const int ws = warp_size(), nw = kThreads / ws, warp = int(threadIdx.x) / ws, lane = lane_id();
+  int32_t inclusive = v;
+  for (int o = 1; o < ws; o *= 2) {
+    const int32_t lower = warp_shfl_up(inclusive, o);
+    if (lane >= o) inclusive += lower;
+  }
+  if (lane == ws - 1) warp_tot[warp] = inclusive;
+  block_sync();
+  int32_t before = 0, sum = 0;
+  for (int w = 0; w < nw; ++w) {
+    before += w < warp ? warp_tot[w] : 0;
+    sum += warp_tot[w];
+  }
+  block_sync();  // every warp has read warp_tot before a later call writes it
+  *total = sum;
+  return before + inclusive - v;
+}
+
+// One block. Offsets and counts fit int32, the outputs' dtype.
+__global__ void __launch_bounds__(kThreads) expert_offsets_kernel(ExpertLayoutArgs a) {
+  __shared__ int32_t warp_tot[kMaxWarps];
+  const int32_t received = rows_received(a.counts, a.world, a.rows), chunks = int32_t(expert_chunks(received));
+  const int64_t E = a.experts;
+  const int32_t A = int32_t(a.alignment);
+  int32_t carry = 0, needed = 0;
+  for (int64_t e0 = 0; e0 < E; e0 += kThreads) {
+    const int64_t e = e0 + threadIdx.x;
+    int32_t n = 0;
+    if (e < E) {
+      // The masks' loads do not wait for the prefixes' stores.
+      constexpr int U = 4;
+      for (int32_t c0 = 0; c0 < chunks; c0 += U) {
+        uint32_t m[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) m[u] = c0 + u < chunks ? a.chunk_masks[int64_t(c0 + u) * E + e] : 0u;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          if (c0 + u < chunks) a.chunk_prefix[int64_t(c0 + u) * E + e] = n;
+          n += __popc(m[u]);
+        }
+      }
+    }
+    int32_t total = 0;
+    const int32_t offset = carry + block_exclusive_sum((n + A - 1) / A * A, &total, warp_tot);
+    if (e < E) {
+      a.out_counts[e] = n;
+      a.out_offsets[e] = offset;
+      needed = offset + n > needed ? offset + n : needed;
+    }
+    carry += total;
+  }
+  // The rows the pairs need: the furthest end of an expert's rows (its
+  // alignment padding need not fit).
+  for (int o = warp_size() / 2; o > 0; o /= 2) {
+    const int32_t other = warp_shfl_xor(needed, o);
+    needed = other > needed ? other : needed;
+  }
+  if (lane_id() == 0) warp_tot[threadIdx.x / warp_size()] = needed;
+  block_sync();
+  if (threadIdx.x == 0) {
+    for (int w = 0; w < kThreads / warp_size(); ++w) needed = warp_tot[w] > needed ? warp_tot[w] : needed;
+    a.out_needed[0] = needed;
+    a.out_offsets[E] = carry;
+  }
+}
+
+// Block b of the grid takes a contiguous share of the received rows,
+// kBatchRows at a time: thread r below the batch's rows runs prepare(r, j)
+// for its row j (shared state for the batch), then, after a barrier,
+// row(r, j, span) runs for the pieces of every row of the batch
+// (for_row_pieces).
+constexpr int kBatchRows = kChunkRows;
+template <typename Prepare, typename Row>
+RC_DEVICE void for_received_rows(int32_t received, uint32_t nvec, Prepare prepare, Row row) {
+  const int32_t per = (received + int32_t(gridDim.x) - 1) / int32_t(gridDim.x);
+  const int32_t j0 = int32_t(blockIdx.x) * per, j1 = j0 + per < received ? j0 + per : received;
+  for (int32_t b0 = j0; b0 < j1; b0 += kBatchRows) {
+    const int32_t rows = j1 - b0 < kBatchRows ? j1 - b0 : kBatchRows;
+    if (int32_t(threadIdx.x) < rows) prepare(int(threadIdx.x), b0 + int32_t(threadIdx.x));
+    block_sync();
+    for_row_pieces(uint32_t(rows), nvec, [&](uint32_t r, const RowSpan& s) { row(int(r), b0 + int32_t(r), s); });
+    block_sync();  // the batch's shared state is read before the next batch's prepare
+  }
+}
+
+// Each received row's pairs get their rows (the expert's offset, plus its
+// rows in earlier chunks, plus the chunk's earlier rows that have it),
+// written to expert_rows_of in ascending expert order (then -1), and their
+// weights; then the row is loaded once and stored to each of its pair rows
+// (its scales too). Then the grid writes expert_rows_of of the rows not
+// received, and the alignment padding of each expert that fits (zeros,
+// their scales and weights too), a warp per expert.
+template <typename IdxT, typename V>
+__global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs a) {
+  // Row r of the batch: its pairs' rows, and which of them are kept (a
+  // prefix: rows grow with the expert, so only the last experts' pairs can
+  // fall past expert_rows).
+  __shared__ int32_t pair_row[kBatchRows][kMaxTopk];
+  __shared__ uint64_t kept[kBatchRows];
+  const int K = int(a.topk);
+  const int64_t E = a.experts, n = a.expert_rows, S = a.scales_per_row, rb = a.row_bytes;
+  const int64_t nvec = rb / int64_t(sizeof(V));
+  const int32_t received = rows_received(a.counts, a.world, a.rows);
+  const IdxT* ids = static_cast<const IdxT*>(a.ids);
+  auto prepare = [&](int r, int32_t j) {
+    const IdxT* row = ids + int64_t(j) * K;
+    int32_t* rows_of = a.out_rows_of + int64_t(j) * K;
+    const uint64_t slots = pair_slots(row, K);
+    const int64_t c = j / kChunkRows;
+    const uint32_t below = (1u << (j % kChunkRows)) - 1u;
+    uint64_t keep = 0;
+    // Every pair's offset, prefix and bitmask on their way to L1 before the
+    // pairs read them one at a time.
+    for (uint64_t m = slots; m != 0; m &= m - 1) {
+      const int64_t e = row[lowest_bit(m)];
+      prefetch_l1(a.out_offsets + e);
+      prefetch_l1(a.chunk_prefix + c * E + e);
+      prefetch_l1(a.chunk_masks + c * E + e);
+    }
+    for (uint64_t m = slots; m != 0; m &= m - 1) {
+      const int k = lowest_bit(m);
+      const int64_t e = row[k], at = c * E + e;
+      const int64_t dest = int64_t(a.out_offsets[e]) + a.chunk_prefix[at] + __popc(a.chunk_masks[at] & below);
+      if (dest >= n) continue;  // past expert_rows: dropped, and raised at a later op (out_needed)
+      int place = 0;            // the row's pairs of smaller experts
+      for (uint64_t o = slots; o != 0; o &= o - 1) place += row[lowest_bit(o)] < row[k];
+      pair_row[r][place] = int32_t(dest);
+      keep |= uint64_t(1) << place;
+      if (a.weights) {
+        // The pair's weight: its slots' weights summed in fp32 in slot order, from its first.
+        const int64_t w0 = int64_t(j) * K;
+        float w = load_as_float(a.weights, w0 + k, a.weights_dtype);
+        for (int i = k + 1; i < K; ++i)
+          if (row[i] == row[k]) w += load_as_float(a.weights, w0 + i, a.weights_dtype);
+        store_from_float(a.out_weights, dest, a.weights_dtype, w);
+      }
+    }
+    for (int p = 0; p < K; ++p) rows_of[p] = keep >> p & 1u ? pair_row[r][p] : -1;
+    kept[r] = keep;
+  };
+  for_received_rows(received, uint32_t(nvec), prepare, [&](int r, int32_t j, const RowSpan& s) {
+    auto row_at = [&](int p) { return a.out_x + int64_t(pair_row[r][p]) * rb; };
+    copy_row<V, true>(a.x + int64_t(j) * rb, row_at, kept[r], s);
+    if (a.scales && s.lead)
+      copy_scales<true>(a.scales + int64_t(j) * S, S, [&](int p) { return a.out_scales + int64_t(pair_row[r][p]) * S; },
+                        kept[r], s);
+  });
+  const int64_t gthread = int64_t(blockIdx.x) * kThreads + threadIdx.x, gthreads = int64_t(gridDim.x) * kThreads;
+  for (int64_t i = int64_t(received) * K + gthread; i < a.rows * K; i += gthreads) a.out_rows_of[i] = -1;
+  const int ws = warp_size(), lane = lane_id();
+  for (int64_t e = gthread / ws; e < E; e += gthreads / ws) {
+    const int64_t end = a.out_offsets[e] + int64_t(a.out_counts[e]), next = a.out_offsets[e + 1];
+    for (int64_t r = end; r < (next < n ? next : n); ++r) {
+      V* o = reinterpret_cast<V*>(a.out_x + r * rb);
+      for (int64_t v = lane; v < nvec; v += ws) o[v] = V{};
+      if (a.out_scales)
+        for (int64_t k = lane; k < S; k += ws) a.out_scales[r * S + k] = 0.f;
+      if (a.out_weights && lane == 0) store_from_float(a.out_weights, r, a.weights_dtype, 0.f);
+    }
+  }
+}
+
+// Each received row of the rank layout: its pair rows of y (the valid
+// values of its expert_rows_of, in their order: ascending expert) summed
+// as sum_row sums (fp32 from the first, rounded once; zeros for none).
+template <DType D>
+__global__ void __launch_bounds__(kThreads) expert_sum_kernel(ExpertSumArgs a, int vec) {
+  __shared__ uint64_t terms[kBatchRows];
+  const int K = int(a.topk);
+  const int64_t payload = a.hidden * int64_t(sizeof(typename Elem<D>::Raw));
+  const char* y = static_cast<const char*>(a.y);
+  char* out = static_cast<char*>(a.out);
+  const int32_t received = rows_received(a.counts, a.world, a.rows);
+  auto prepare = [&](int r, int32_t j) {
+    uint64_t m = 0;
+    for (int k = 0; k < K; ++k) {
+      const int32_t p = a.rows_of[int64_t(j) * K + k];
+      if (p >= 0 && p < a.expert_rows) m |= uint64_t(1) << k;  // a forged value names no row
+    }
+    terms[r] = m;
+  };
+  for_received_rows(received, row_vectors<D>(payload, vec), prepare, [&](int r, int32_t j, const RowSpan& s) {
+    const int32_t* rows_of = a.rows_of + int64_t(j) * K;
+    auto row_of = [&](int k) { return y + int64_t(rows_of[k]) * payload; };
+    // The terms' first lines of this lane's span are on their way before
+    // the sum reads them a term at a time.
+    for (uint64_t m = terms[r]; m != 0; m &= m - 1)
+      prefetch_l1(row_of(lowest_bit(m)) + int64_t(s.first) * vec);
+    with_row_vector<D>(vec, [&](auto tag) {
+      sum_row<D, typename decltype(tag)::type>(row_of, terms[r], out + int64_t(j) * payload, s);
+    });
+  });
+}
+
+}  // namespace
+
+void launch_expert_layout(const ExpertLayoutArgs& a, Stream s) {
+  auto run = [&](auto kernel, int blocks) { RC_LAUNCH(kernel, blocks, kThreads, 0, s, a); };
+  // Rows in 16-byte vectors where rows and pointers allow it, else bytes.
+  const bool v16 = widest_vector(a.row_bytes, {a.x, a.out_x}) == 16;
+  const int row_blocks = expert_row_blocks(a.rows, a.sm_count);
+  auto go = [&](auto idx) {
+    using IdxT = typename decltype(idx)::type;
+    run(expert_tally_kernel<IdxT>, expert_chunk_blocks(a.rows, a.sm_count));
+    run(expert_offsets_kernel, 1);
+    if (v16) run(expert_place_kernel<IdxT, uint4>, row_blocks);
+    else run(expert_place_kernel<IdxT, uint8_t>, row_blocks);
+  };
+  a.ids_int64 ? go(VecTag<int64_t>{}) : go(VecTag<int32_t>{});
+}
+
+void launch_expert_sum(const ExpertSumArgs& a, Stream s) {
+  const int vec = row_vector(a.hidden * dtype_bytes(a.dtype), {a.y, a.out});
+  auto run = [&](auto kernel) { RC_LAUNCH(kernel, expert_row_blocks(a.rows, a.sm_count), kThreads, 0, s, a, vec); };
+  auto go = [&](auto dtype) {
+    constexpr DType D = decltype(dtype)::value;
+    run(expert_sum_kernel<D>);
+  };
+  switch (a.dtype) {
+    case DType::kF32: go(std::integral_constant<DType, DType::kF32>{}); break;
+    case DType::kBF16: go(std::integral_constant<DType, DType::kBF16>{}); break;
+    default: go(std::integral_constant<DType, DType::kF16>{}); break;
+  }
+}
+
+}  // namespace gpu
+}  // namespace rdna4_comm
