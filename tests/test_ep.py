@@ -2,8 +2,11 @@
 interleaved handles, back-to-back calls, torch.compile, opcheck, bad inputs."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
+import torch.distributed as dist
 from common import ROUTINGS, assert_bitwise, assert_dispatched, ep_inputs, examples, expert_fn, rand
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -133,6 +136,47 @@ def test_interleaved_handles(world):
             d, out = results[r][i]
             assert_dispatched(d, ref[r], f"op {i} rank {r}")
             assert_bitwise(out, ref_out[r], f"op {i} rank {r} combine")
+
+
+# Rank 0 issues its combine this long after the others issue theirs.
+LATE_S = 0.5
+
+
+def t_late_peer(ctx, cfg, seed, Ts):
+    comm = ctx.comm(**cfg, timeout_ms=20 * int(LATE_S * 1000))
+    x, idx, w = ep_inputs(seed, ctx.rank, ctx.world, Ts[ctx.rank], ref_cfg(cfg), "random")
+    dev = ctx.device
+    d = comm.dispatch(x.to(dev), idx.to(dev), w.to(dev))
+    y = expert_fn(d.x, ctx.rank)
+    ctx.sync()
+    dist.barrier(group=ctx.cpu_group)
+    if ctx.rank == 0:
+        time.sleep(LATE_S)
+    start = time.monotonic()
+    out = comm.combine(y, d.handle)
+    ctx.sync()
+    return d, out, time.monotonic() - start
+
+
+def test_rank_without_tokens_waits_for_a_late_peer(world):
+    """A combine on a rank with no tokens sums nothing, yet it must not end
+    before every peer has issued its own: the combine inboxes alternate
+    between two halves by generation, and a rank that ran two combines ahead
+    would overwrite rows a late peer has yet to read."""
+    W = world.size
+    if W < 2:
+        pytest.skip("needs a peer")
+    cfg = ep_config(16, 40, 4, 4 * W, torch.bfloat16)
+    Ts = [16] * (W - 1) + [0]
+    results = world.run(t_late_peer, cfg, 5, Ts)
+    ref, ref_out = expected_round_trip(W, cfg, 5, Ts, "random", True)
+    for r, (d, out, _) in enumerate(results):
+        assert_dispatched(d, ref[r], f"rank {r}")
+        assert_bitwise(out, ref_out[r], f"rank {r} combine")
+    waited = results[-1][2]
+    assert waited >= LATE_S / 2, (
+        f"the combine of rank {W - 1} (no tokens) ended {waited:.3f} s after it started, before rank 0, "
+        f"{LATE_S} s late, had issued its combine")
 
 
 def back_to_back_plan(n, W, cap):

@@ -213,7 +213,6 @@ RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineSha
   const Layout& L = env.layout;
   const int me = env.rank, W = env.world, tid = threadIdx.x;
   const int32_t t0 = range.t0, t1 = range.t1, C = range.chunk_tokens, nt = kThreads;
-  if (t0 >= t1) return;
   const int G = range.group;
   const int64_t payload = L.hidden * L.elt;
   const int32_t rows = W * int32_t(L.cap);
@@ -223,7 +222,12 @@ RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineSha
   const int32_t own_base = sh.src.offset[me];
   const int32_t before = warp_sum(start.own_before);
   if (lane_id() == 0 && before != 0) atomicAdd(&sh.run[0], before);  // read after the next barriers
-  const int32_t c_end = (t1 - 1) / C + 1;
+  // A rank with no tokens still has chunk 0 (ep_chunks), and its one
+  // receiver block waits for it from every peer: every combine sees each
+  // peer publish this generation, which the inbox's parity needs (layout.h).
+  // Without that wait, such a rank could run two combines ahead and
+  // overwrite rows that a slow peer has yet to read.
+  const int32_t c_end = t1 > t0 ? (t1 - 1) / C + 1 : 1;
   for (int32_t g0 = t0 / C; g0 < c_end; g0 += G) {
     const int32_t g1 = g0 + G < c_end ? g0 + G : c_end;
     const int g = tid / W, r = tid - g * W;
