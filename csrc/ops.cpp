@@ -523,6 +523,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   testing.def("expert_chunks", &expert_chunks, py::arg("rows"));
   testing.def("expert_chunk_blocks", &expert_chunk_blocks, py::arg("rows"), py::arg("sm_count"));
   testing.def("expert_row_blocks", &expert_row_blocks, py::arg("rows"), py::arg("sm_count"));
+  testing.def("expert_place_blocks", &expert_place_blocks, py::arg("rows"), py::arg("experts"), py::arg("alignment"),
+              py::arg("sm_count"));
   testing.attr("expert_chunk_rows") = kExpertChunkRows;
   // (signal bytes, data bytes) of the heap layout of a configuration.
   // The FP8 rule of fp8.h (what the CPU transport and the kernels run), on

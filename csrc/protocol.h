@@ -298,10 +298,12 @@ RC_HD EpGrid combine_grid(int64_t ntok, int world, int sm_count) {
 // (chunk, local expert): that bitmask, and the rows of the earlier chunks
 // that have the expert. Its tally takes a chunk per warp; its placement
 // (with the row copies) and its sums split the rows received among the
-// blocks, so that a few rows still spread over as many multiprocessors. Each grid is at
-// most kExpertBlocksPerSm blocks per multiprocessor, sized for the most rows
-// (rows = W * cap); the rows received are read on the device, and the
-// blocks with none left return at once.
+// blocks, so that a few rows still spread over as many multiprocessors; the
+// placement also zeroes the alignment padding, a warp per padding row an
+// expert can have (experts * (alignment - 1) of them at most). Each grid is
+// at most kExpertBlocksPerSm blocks per multiprocessor, sized for the most
+// rows (rows = W * cap) and padding rows; the rows received and the padding
+// are known on the device alone, and the blocks with none left return at once.
 constexpr int64_t kExpertChunkRows = 32;
 constexpr int64_t kExpertBlocksPerSm = 4;
 RC_HD int64_t expert_chunks(int64_t rows) { return ceil_div(rows, kExpertChunkRows); }
@@ -309,6 +311,10 @@ RC_HD int expert_chunk_blocks(int64_t rows, int sm_count) {
   return clamp_blocks(ceil_div(expert_chunks(rows), kGpuBlockThreads / kExpertChunkRows), kExpertBlocksPerSm * sm_count);
 }
 RC_HD int expert_row_blocks(int64_t rows, int sm_count) { return clamp_blocks(rows, kExpertBlocksPerSm * sm_count); }
+RC_HD int expert_place_blocks(int64_t rows, int64_t experts, int64_t alignment, int sm_count) {
+  const int64_t padding_blocks = ceil_div(experts * (alignment - 1), kGpuBlockThreads / kExpertChunkRows);
+  return expert_row_blocks(rows > padding_blocks ? rows : padding_blocks, sm_count);
+}
 
 RC_HD int allreduce_blocks(int64_t share_bytes, int sm_count) {
   const int64_t most = sm_count / 2 < kMaxAllReduceBlocks ? sm_count / 2 : kMaxAllReduceBlocks;

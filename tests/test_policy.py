@@ -116,6 +116,20 @@ def test_expert_layout_grids_cover_the_rows_and_stay_within_four_blocks_per_mult
     assert _C.testing.expert_row_blocks(4096, H200_SMS) >= 8
 
 
+@pytest.mark.parametrize("sms", [1, 8, H200_SMS])
+def test_expert_placement_grid_has_a_warp_per_padding_row(sms):
+    # Expert e's alignment padding is at most alignment - 1 rows, each zeroed
+    # by a warp of its own (16 warps of 32 lanes in a block), as far as the
+    # grid's cap allows; without padding the grid is the rows' grid.
+    warps = _C.testing.gpu_block_threads // 32
+    for rows in (1, 8, 4096):
+        for experts, alignment in ((1, 1), (256, 1), (256, 16), (64, 128), (1, 128)):
+            want = max(rows, ceil_div(experts * (alignment - 1), warps))
+            assert _C.testing.expert_place_blocks(rows, experts, alignment, sms) == min(max(want, 1), 4 * sms)
+            assert _C.testing.expert_place_blocks(rows, experts, alignment, sms) >= \
+                _C.testing.expert_row_blocks(rows, sms)
+
+
 def test_signal_region_does_not_grow_with_the_capacity():
     # Chunk slots and combine flags are per (parity, source, chunk), and a
     # source publishes at most 128 chunks whatever its token count.
