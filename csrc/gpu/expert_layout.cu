@@ -128,8 +128,8 @@ __global__ void __launch_bounds__(kThreads) expert_offsets_kernel(ExpertLayoutAr
     int32_t n = 0;
     if (e < E) {
       // The masks' loads do not wait for the prefixes' stores, and U of
-      // them are in flight: a thread goes over every chunk (128 chunks of a
-      // prefill's rows took 12.7 us on an H200 at 4 in flight).
+      // them are in flight: a thread goes over every chunk (on an H200, the
+      // 128 chunks of 4096 rows take this kernel 11.2 us, 12.7 us at 4).
       constexpr int U = 16;
       for (int32_t c0 = 0; c0 < chunks; c0 += U) {
         uint32_t m[U];
