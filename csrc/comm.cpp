@@ -388,6 +388,11 @@ at::Tensor Comm::combine(const at::Tensor& y, const at::Tensor& recv_src, const 
   check_dtype(op, "y", y, cfg_.dtype);
   check_contiguous(op, "y", y);
   check_handle_fields(op, recv_src, counts, src_tokens, send_mask);
+  return combine_checked(y, recv_src, counts, src_tokens, send_mask);
+}
+
+at::Tensor Comm::combine_checked(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
+                                 const at::Tensor& src_tokens, const at::Tensor& send_mask) {
   at::Tensor out = empty_output(combine_output(), send_mask.size(0));
   combine_impl(y, recv_src, counts, src_tokens, send_mask, out);
   return out;

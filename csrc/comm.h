@@ -310,6 +310,9 @@ class Comm {
   std::deque<DeferredCheck> deferred_;  // oldest first
   Dispatched allocate_dispatched(int64_t ntok, at::ScalarType idx_dtype,
                                  c10::optional<at::ScalarType> weights_dtype) const;
+  // combine once y [W*cap, H] and the handle's fields have passed its checks.
+  at::Tensor combine_checked(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
+                             const at::Tensor& src_tokens, const at::Tensor& send_mask);
   // The chunk loop of all_reduce: n elements of dtype st from in to out.
   void all_reduce_into(at::ScalarType st, const char* in, char* out, int64_t n, bool gpu);
 };

@@ -253,7 +253,8 @@ at::Tensor Comm::combine_expert(const at::Tensor& y, const at::Tensor& expert_ro
                 "build has none (built without CUDA or ROCm): rebuild it with a GPU build of torch (README.md)");
 #endif
   }
-  return combine(rows, recv_src, counts, src_tokens, send_mask);
+  // rows is this op's own, and the handle's fields were checked above.
+  return combine_checked(rows, recv_src, counts, src_tokens, send_mask);
 }
 
 }  // namespace rdna4_comm
