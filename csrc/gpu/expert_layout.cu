@@ -48,8 +48,11 @@ RC_DEVICE int32_t rows_received(const int32_t* counts, int world, int64_t rows) 
 // elsewhere) that start a pair: slot k names a local expert that no earlier
 // slot names. One bit per slot. The ids come a group at a time, the group's
 // loads in flight together (the earlier groups' are read again from cache).
+// An id outside [-1, E) starts none: a dispatch that failed (a timeout, a
+// peer that exited) leaves its ids unwritten, and the kernels after it run
+// anyway; they must stay in bounds until the host raises the failure.
 template <typename IdxT>
-RC_DEVICE uint64_t pair_slots(const IdxT* ids, int K) {
+RC_DEVICE uint64_t pair_slots(const IdxT* ids, int K, int64_t E) {
   constexpr int G = 8;
   uint64_t first = 0;
   for (int k0 = 0; k0 < K; k0 += G) {
@@ -58,7 +61,7 @@ RC_DEVICE uint64_t pair_slots(const IdxT* ids, int K) {
     for (int u = 0; u < G; ++u) g[u] = k0 + u < K ? ids[k0 + u] : IdxT(-1);
 #pragma unroll
     for (int u = 0; u < G; ++u) {
-      bool seen = g[u] < 0;
+      bool seen = g[u] < 0 || int64_t(g[u]) >= E;
 #pragma unroll
       for (int v = 0; v < u; ++v) seen = seen || g[v] == g[u];
       for (int i = 0; i < k0 && !seen; ++i) seen = ids[i] == g[u];
@@ -79,7 +82,7 @@ __global__ void __launch_bounds__(kThreads) expert_tally_kernel(ExpertLayoutArgs
   for (int32_t c0 = int32_t(blockIdx.x) * nw; c0 < chunks; c0 += int32_t(gridDim.x) * nw) {
     const int32_t c = c0 + warp, j = c * kChunkRows + lane;
     const IdxT* row = ids + int64_t(j) * K;
-    const uint64_t slots = c < chunks && lane < kChunkRows && j < received ? pair_slots(row, K) : 0;
+    const uint64_t slots = c < chunks && lane < kChunkRows && j < received ? pair_slots(row, K, E) : 0;
     for (int64_t e0 = 0; e0 < E; e0 += kExpertTile) {
       for (int i = lane; i < kExpertTile; i += ws) tile[warp][i] = 0;
       block_sync();
@@ -207,7 +210,7 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
   auto prepare = [&](int r, int32_t j) {
     const IdxT* row = ids + int64_t(j) * K;
     int32_t* rows_of = a.out_rows_of + int64_t(j) * K;
-    const uint64_t slots = pair_slots(row, K);
+    const uint64_t slots = pair_slots(row, K, E);
     const int64_t c = j / kChunkRows;
     const uint32_t below = (1u << (j % kChunkRows)) - 1u;
     uint64_t keep = 0;
