@@ -1,5 +1,6 @@
-"""A seeded stream of mixed back-to-back ops on one communicator: dispatch,
-combine (of any earlier dispatch still open, not only the last),
+"""A seeded stream of mixed back-to-back ops on one communicator: dispatch
+in either layout (rank or expert), combine (of any earlier dispatch still
+open, not only the last),
 all_reduce and all_reduce_rmsnorm, with shapes and dtypes changing from op
 to op. Every rank derives the same plan from the seed and its own inputs
 from (op seed, rank), so the test side rebuilds every rank's inputs and the
@@ -28,6 +29,9 @@ SLOT_BYTES = 4096
 # Dispatches open at once (their handles not yet combined).
 MAX_OPEN = 3
 ROUTING = ("random", "all_local", "all_remote", "invalid_ids", "one_expert")
+LAYOUTS = ("rank", "expert")
+# The expert layout's: alignment padding rows in most expert dispatches.
+EXPERT_ALIGNMENT = 4
 AR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 RMSNORM_HIDDEN = (8, 40, 136, 1030)
 
@@ -35,7 +39,7 @@ RMSNORM_HIDDEN = (8, 40, 136, 1030)
 def comm_kwargs(world: int) -> dict:
     """Communicator arguments of the stream's communicator."""
     return dict(max_tokens_per_rank=CAP, hidden=HIDDEN, topk=TOPK, num_experts=EXPERTS_PER_RANK * world,
-                dtype=EP_DTYPE, allreduce_slot_bytes=SLOT_BYTES)
+                dtype=EP_DTYPE, allreduce_slot_bytes=SLOT_BYTES, expert_alignment=EXPERT_ALIGNMENT)
 
 
 def _ep_cfg(world: int) -> dict:
@@ -44,7 +48,7 @@ def _ep_cfg(world: int) -> dict:
 
 class Op(NamedTuple):
     """One op of the plan; ``seed`` seeds its inputs. dispatch: ``tokens``
-    per rank and ``routing``; combine: ``of``, the index of its dispatch;
+    per rank, ``routing`` and ``layout``; combine: ``of``, the index of its dispatch;
     all_reduce: ``numel`` and ``dtype``; all_reduce_rmsnorm: ``rows``,
     ``hidden``, ``dtype``, ``residual`` and ``weight_dtype``."""
 
@@ -59,6 +63,7 @@ class Op(NamedTuple):
     dtype: Optional[torch.dtype] = None
     residual: bool = False
     weight_dtype: Optional[torch.dtype] = None
+    layout: str = "rank"
 
 
 def plan(n: int, world: int, seed: int) -> list[Op]:
@@ -82,7 +87,7 @@ def plan(n: int, world: int, seed: int) -> list[Op]:
         if kind == "dispatch":
             open_dispatches.append(len(ops))
             tokens = tuple(torch.randint(0, CAP + 1, (world,), generator=g).tolist())
-            ops.append(Op("dispatch", s, tokens=tokens, routing=pick(ROUTING)))
+            ops.append(Op("dispatch", s, tokens=tokens, routing=pick(ROUTING), layout=pick(LAYOUTS)))
         elif kind == "combine":
             ops.append(Op("combine", s, of=open_dispatches.pop(int(torch.randint(0, len(open_dispatches), (1,),
                                                                                   generator=g)))))
@@ -130,7 +135,7 @@ def issue(comm, ops: list[Op], staged: list[tuple], i: int, rank: int, dispatche
     dispatches not combined yet, by op index."""
     op = ops[i]
     if op.kind == "dispatch":
-        d = dispatched[i] = comm.dispatch(*staged[i])
+        d = dispatched[i] = comm.dispatch(*staged[i], layout=op.layout)
         return d
     if op.kind == "combine":
         d = dispatched.pop(op.of)
@@ -142,6 +147,11 @@ def issue(comm, ops: list[Op], staged: list[tuple], i: int, rank: int, dispatche
 
 def _tensors(op: Op, result) -> tuple:
     """The tensors of a result that the reference fixes bitwise."""
+    if op.kind == "dispatch" and op.layout == "expert":
+        # Rows past expert_offsets[-1] are unspecified.
+        n = min(int(result.expert_offsets[-1]), result.x.shape[0])
+        return (result.x[:n], result.topk_weights[:n], result.expert_counts, result.expert_offsets,
+                result.handle.expert_rows_of, *(getattr(result.handle, f) for f in HANDLE_FIELDS))
     if op.kind == "dispatch":
         return (received_rows(result), result.topk_idx, result.topk_weights, result.counts,
                 *(getattr(result.handle, f) for f in HANDLE_FIELDS))
@@ -188,7 +198,8 @@ def expected_digests(ops: list[Op], world: int) -> list[list[bytes]]:
         if op.kind == "dispatch":
             xs, idxs, ws = zip(*(ep_inputs(op.seed, r, world, op.tokens[r], cfg, op.routing) for r in range(world)))
             per_rank = dispatched[i] = reference.dispatch(
-                list(xs), list(idxs), list(ws), num_experts=cfg["num_experts"], max_tokens_per_rank=CAP)
+                list(xs), list(idxs), list(ws), num_experts=cfg["num_experts"], max_tokens_per_rank=CAP,
+                layout=op.layout, expert_alignment=EXPERT_ALIGNMENT)
         elif op.kind == "combine":
             d = dispatched.pop(op.of)
             per_rank = reference.combine([expert_fn(d[r].x, r, salt=op.of % 5) for r in range(world)], d)
