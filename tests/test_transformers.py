@@ -106,6 +106,24 @@ def t_moe(ctx, model, experts_implementation, dtype, seed, compiled, layout="exp
     return list(zip(expected, eager, fast)), graphs
 
 
+def t_grouped_rows(ctx, model, dtype, seed):
+    """As t_moe (eager, expert layout, grouped_mm experts), with the experts
+    module's forward made to raise once the EP block is built."""
+    comm = ctx.comm(**ep_config(dtype))
+    block = _block(model, "grouped_mm", dtype, seed)
+    xs = [rand(seed + i, ctx.rank, TOKEN_SHAPES[(ctx.rank + i) % len(TOKEN_SHAPES)] + (H,), dtype) for i in range(3)]
+    with torch.no_grad():
+        expected = [block(x) for x in xs]
+        ep = hf.ExpertParallelMoEBlock(block, comm)
+
+        def sorting_forward(*args, **kwargs):
+            raise AssertionError("the experts module's forward ran: it sorts the rows by expert again")
+
+        ep.experts.forward = sorting_forward
+        eager = [ep(x) for x in xs]
+    return list(zip(expected, eager, [None] * len(xs))), 0
+
+
 def assert_matches(actual, expected, dtype, what):
     """Within a few roundings of the dtype: fp32 rtol 1e-5 and atol 1e-5 or,
     above that, 2**-20 (8 units in the last place) of the output's largest
@@ -144,6 +162,14 @@ def check_moe(results, dtype):
 EAGER_CASES = [(m, "eager") for m in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "llama4")] + [
     (m, "grouped_mm") for m in ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
 ]
+
+
+@pytest.mark.parametrize("model", ["mixtral", "deepseek_v3", "gpt_oss"])
+def test_expert_layout_rows_go_straight_to_the_grouped_gemms(worlds, model):
+    # The expert layout's rows are grouped by expert already: HF's grouped_mm
+    # experts get them with offs = expert_offsets[1:] and no sort (GPT-OSS:
+    # biases per row's expert and its own gate).
+    check_moe(worlds("cpu", 2).run(t_grouped_rows, model, torch.float32, 13), torch.float32)
 
 
 @pytest.mark.parametrize("size", [2, 4])

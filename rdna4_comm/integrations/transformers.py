@@ -186,11 +186,14 @@ class ExpertParallelMoEBlock(nn.Module):
 
     1. the block's router picks the top-k experts and their weights;
     2. ``comm.dispatch`` sends each token to the ranks that own its experts;
-    3. the block's experts module, holding this rank's ``E/W`` experts, runs on
-       the expert layout's rows: one row per (token, local expert) pair,
-       grouped by expert, each with its pair's weight; rows that hold no pair
-       take the id the module skips, so no expert runs over padding and
-       shapes stay static;
+    3. the block's experts, this rank's ``E/W`` of them, run on the expert
+       layout's rows: one row per (token, local expert) pair, grouped by
+       expert, each times its pair's weight. An experts module of HF's
+       grouped_mm implementation gets them straight into its grouped GEMMs
+       (``offs = expert_offsets[1:]``, no sort by expert); any other runs
+       its forward with a one-slot routing, rows that hold no pair taking
+       the id the module skips. Either way no expert runs over the rows
+       past ``expert_offsets[-1]`` and shapes stay static;
     4. ``comm.combine`` sums each token's pair rows per rank (ascending
        expert), then over its destination ranks;
     5. the shared experts, where the block has them, are added as the block
@@ -210,9 +213,9 @@ class ExpertParallelMoEBlock(nn.Module):
             experts module runs on dispatch's ``W*cap`` rank-layout rows with
             their received routing (slots of other ranks' experts, and every
             slot of a padding row, take the id the module skips), and combine
-            takes them back. The expert layout is built with tensor ops for
-            now (docs/performance.md), so the rank layout costs less per call
-            where the experts would skip those rows anyway.
+            takes them back. On one GPU (W = 1, cap = T: no padding rows for
+            the expert layout to save) the rank layout costs less per call
+            (docs/performance.md, "The expert layout on one H200").
 
     ``forward(hidden_states)`` takes what the block takes (``[B, S, H]``, or any
     ``[..., H]``) and returns what it returns, e.g. ``(hidden, router_scores)``
@@ -246,6 +249,15 @@ class ExpertParallelMoEBlock(nn.Module):
                 "build the model with experts_implementation='grouped_mm' or 'batched_mm'"
             )
         _keep_local_experts(experts, comm)
+        # HF's grouped GEMM (transformers.integrations.moe), for the expert
+        # layout's rows of an experts module of its grouped_mm implementation
+        # (_grouped_experts); None: the module's forward.
+        self._grouped_linear = None
+        if (layout == "expert" and self.adapter.run_experts is _run_experts and implementation == "grouped_mm"
+                and hasattr(experts, "has_gate")):
+            from transformers.integrations.moe import _grouped_linear
+
+            self._grouped_linear = _grouped_linear
 
     def compile_tokens_dynamic(self, **compile_kwargs) -> "ExpertParallelMoEBlock":
         """Run forward through ``torch.compile(fullgraph=True, **compile_kwargs)``
@@ -279,7 +291,7 @@ class ExpertParallelMoEBlock(nn.Module):
         if self.layout == "rank":  # the library marks such slots (and padding rows' slots) -1
             y = self.adapter.run_experts(self.experts, rows, torch.where(d.topk_idx < 0, n, d.topk_idx),
                                          d.topk_weights)
-        else:
+        elif (y := self._grouped_experts(rows, d)) is None:
             # Each row is one (token, local expert) pair, grouped by expert: a
             # one-slot routing, its expert and weight. Rows that hold no pair
             # (alignment padding, the tail) take the skipped id.
@@ -293,6 +305,37 @@ class ExpertParallelMoEBlock(nn.Module):
         if self.adapter.shared is not None:
             out = out + self.adapter.shared(self, x)
         return self.adapter.output(out.view(hidden_states.shape), routing)
+
+    def _grouped_experts(self, rows: torch.Tensor, d) -> Optional[torch.Tensor]:
+        """The experts on the expert layout's rows through HF's grouped GEMMs:
+        what its grouped_mm forward runs once it has sorted its rows by
+        expert, which these rows are already (expert e's are
+        ``[offsets[e], offsets[e+1])``, so ``offs = expert_offsets[1:]``), then
+        each row's output times its pair's weight, rounded once to the rows'
+        dtype, as that forward rounds a one-slot routing. The GEMMs skip the
+        rows past ``expert_offsets[-1]``, whose output is left unspecified
+        (combine never reads them). None where the experts module is not of
+        HF's grouped_mm implementation."""
+        if self._grouped_linear is None or d.topk_weights is None:
+            return None
+        ex, offs = self.experts, d.expert_offsets[1:]
+        bias_rows = None  # each row's expert, for the per-expert biases
+        if ex.has_bias:
+            row = torch.arange(rows.shape[0], device=rows.device, dtype=offs.dtype)
+            bias_rows = torch.searchsorted(offs, row, right=True).clamp_max(ex.num_experts - 1)
+
+        def project(x: torch.Tensor, weight: torch.Tensor, bias_name: str) -> torch.Tensor:
+            bias = None if bias_rows is None else getattr(ex, bias_name)[bias_rows]
+            return self._grouped_linear(x, weight, offs, bias=bias, is_transposed=ex.is_transposed)
+
+        if ex.has_gate:
+            h = ex._apply_gate(project(rows, ex.gate_up_proj, "gate_up_proj_bias"))
+        else:
+            h = ex.act_fn(project(rows, ex.up_proj, "up_proj_bias"))
+        out = project(h, ex.down_proj, "down_proj_bias")
+        if ex.has_post_expert_norm:
+            out = ex.post_expert_norm(out)
+        return (out * d.topk_weights.unsqueeze(-1)).to(rows.dtype)
 
 
 # The expert count's name in the configs of HF MoE models (Mixtral, GPT-OSS,
