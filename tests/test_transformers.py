@@ -84,9 +84,11 @@ def ep_config(dtype):
     return dict(max_tokens_per_rank=CAP, hidden=H, topk=K, num_experts=E, dtype=dtype, allreduce_slot_bytes=4096)
 
 
-def t_moe(ctx, model, experts_implementation, dtype, seed, compiled, layout="expert"):
+def t_moe(ctx, model, experts_implementation, dtype, seed, compiled, layout="expert", experts_forward=True):
     """Per call, (HF block's output, EP eager, EP compiled or None) on this
-    rank's tokens, and how many graphs the compiled block took."""
+    rank's tokens, and how many graphs the compiled block took. Without
+    ``experts_forward``, the experts module's forward raises once the EP
+    block is built."""
     comm = ctx.comm(**ep_config(dtype))
     block = _block(model, experts_implementation, dtype, seed)
     keys = block.state_dict().keys()
@@ -94,6 +96,11 @@ def t_moe(ctx, model, experts_implementation, dtype, seed, compiled, layout="exp
     with torch.no_grad():
         expected = [block(x) for x in xs]
         ep = hf.ExpertParallelMoEBlock(block, comm, layout=layout)
+        if not experts_forward:
+            def sorting_forward(*args, **kwargs):
+                raise AssertionError("the experts module's forward ran: it sorts the rows by expert again")
+
+            ep.experts.forward = sorting_forward
         eager = [ep(x) for x in xs]
         fast, graphs = [None] * len(xs), 0
         if compiled:
@@ -104,24 +111,6 @@ def t_moe(ctx, model, experts_implementation, dtype, seed, compiled, layout="exp
             graphs = counter.frame_count
     assert ep.state_dict().keys() == keys, "the EP block's parameter names differ from the HF block's"
     return list(zip(expected, eager, fast)), graphs
-
-
-def t_grouped_rows(ctx, model, dtype, seed):
-    """As t_moe (eager, expert layout, grouped_mm experts), with the experts
-    module's forward made to raise once the EP block is built."""
-    comm = ctx.comm(**ep_config(dtype))
-    block = _block(model, "grouped_mm", dtype, seed)
-    xs = [rand(seed + i, ctx.rank, TOKEN_SHAPES[(ctx.rank + i) % len(TOKEN_SHAPES)] + (H,), dtype) for i in range(3)]
-    with torch.no_grad():
-        expected = [block(x) for x in xs]
-        ep = hf.ExpertParallelMoEBlock(block, comm)
-
-        def sorting_forward(*args, **kwargs):
-            raise AssertionError("the experts module's forward ran: it sorts the rows by expert again")
-
-        ep.experts.forward = sorting_forward
-        eager = [ep(x) for x in xs]
-    return list(zip(expected, eager, [None] * len(xs))), 0
 
 
 def assert_matches(actual, expected, dtype, what):
@@ -169,7 +158,8 @@ def test_expert_layout_rows_go_straight_to_the_grouped_gemms(worlds, model):
     # The expert layout's rows are grouped by expert already: HF's grouped_mm
     # experts get them with offs = expert_offsets[1:] and no sort (GPT-OSS:
     # biases per row's expert and its own gate).
-    check_moe(worlds("cpu", 2).run(t_grouped_rows, model, torch.float32, 13), torch.float32)
+    results = worlds("cpu", 2).run(t_moe, model, "grouped_mm", torch.float32, 13, False, "expert", False)
+    check_moe(results, torch.float32)
 
 
 @pytest.mark.parametrize("size", [2, 4])
