@@ -89,6 +89,14 @@ def _run_llama4_experts(experts: nn.Module, x: torch.Tensor, idx: torch.Tensor, 
     return experts(routed_in).view(n, x.shape[0], x.shape[1]).sum(dim=0)
 
 
+def _row_experts(d, n: int) -> torch.Tensor:
+    """The local expert whose block holds each row of an expert-layout
+    dispatch ``d``: ``[expert_rows]`` int64; rows past the last block (the
+    tail) get the last expert, ``n - 1``."""
+    row = torch.arange(d.x.shape[0], device=d.x.device, dtype=d.expert_offsets.dtype)
+    return torch.searchsorted(d.expert_offsets[1:], row, right=True).clamp_max(n - 1)
+
+
 def _hidden(out: torch.Tensor, routing: Routing) -> torch.Tensor:
     return out
 
@@ -295,10 +303,8 @@ class ExpertParallelMoEBlock(nn.Module):
             # Each row is one (token, local expert) pair, grouped by expert: a
             # one-slot routing, its expert and weight. Rows that hold no pair
             # (alignment padding, the tail) take the skipped id.
-            offsets = d.expert_offsets.long()
-            row = torch.arange(d.x.shape[0], device=d.x.device)
-            expert = torch.searchsorted(offsets[1:], row, right=True).clamp_max(n - 1)
-            pair = row < offsets[expert] + d.expert_counts[expert]
+            expert = _row_experts(d, n)
+            pair = torch.arange(d.x.shape[0], device=d.x.device) < d.expert_offsets[expert] + d.expert_counts[expert]
             y = self.adapter.run_experts(self.experts, rows, torch.where(pair, expert, n).unsqueeze(1),
                                          d.topk_weights.unsqueeze(1))
         out = self.comm.combine(y, d.handle)
@@ -319,10 +325,7 @@ class ExpertParallelMoEBlock(nn.Module):
         if self._grouped_linear is None or d.topk_weights is None:
             return None
         ex, offs = self.experts, d.expert_offsets[1:]
-        bias_rows = None  # each row's expert, for the per-expert biases
-        if ex.has_bias:
-            row = torch.arange(rows.shape[0], device=rows.device, dtype=offs.dtype)
-            bias_rows = torch.searchsorted(offs, row, right=True).clamp_max(ex.num_experts - 1)
+        bias_rows = _row_experts(d, ex.num_experts) if ex.has_bias else None  # for the per-expert biases
 
         def project(x: torch.Tensor, weight: torch.Tensor, bias_name: str) -> torch.Tensor:
             bias = None if bias_rows is None else getattr(ex, bias_name)[bias_rows]
