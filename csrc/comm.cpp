@@ -295,6 +295,12 @@ at::Tensor Comm::empty(at::IntArrayRef sizes, at::ScalarType dtype) const {
 
 Dispatched Comm::dispatch(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales, const at::Tensor& topk_idx,
                           const c10::optional<at::Tensor>& topk_weights) {
+  return dispatch_rows(x, x_scales, topk_idx, topk_weights, false);
+}
+
+Dispatched Comm::dispatch_rows(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales,
+                               const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights,
+                               bool peer_rows_in_heap) {
   check();
   static const char* op = "dispatch";
   check_ep(cfg_, op);
@@ -346,6 +352,7 @@ Dispatched Comm::dispatch(const at::Tensor& x, const c10::optional<at::Tensor>& 
     check_per_token("topk_weights", *topk_weights, cfg_.topk, "topk");
   }
   Dispatched out = allocate_dispatched(T, it, wt);
+  out.peer_rows_in_heap = peer_rows_in_heap;
   // The transports take [T, H] and [T, K]; a view is an op call of its own
   // (a quarter of the host time of an eager dispatch), so flat inputs pass as they are.
   auto flat = [T](const at::Tensor& t, int64_t cols) { return t.dim() == 2 ? t : t.view({T, cols}); };

@@ -101,6 +101,10 @@ struct Dispatched {
   at::Tensor src_tokens;  // [W] int32: T of each source rank
   at::Tensor send_mask;   // [T] int32: bit d set when the token was sent to rank d
   at::Tensor x_scales;    // FP8: [W*cap, fp8_num_scales(H)] fp32, x's scales; else undefined
+  // The expert layout's dispatch on the GPU transport: x (and x_scales)
+  // hold this rank's own rows alone, the peers' stay in the heap, where
+  // the placement reads them (Comm::place_expert_rows).
+  bool peer_rows_in_heap = false;
 };
 
 // An EP op's output: its shape, kTokenDim standing for the caller's token
@@ -261,6 +265,12 @@ class Comm {
   // dispatch_expert's rule over the received rows of d, on the host, into
   // out's layout fields and `needed` (as expert_layout_on_gpu).
   void expert_layout_on_host(const Dispatched& d, ExpertDispatched& out, const at::Tensor& needed);
+  // dispatch_expert's placement of d's rows into out: on the host for CPU
+  // tensors, else expert_layout_on_gpu. A transport whose dispatch can
+  // leave the peers' rows where they arrived (places_from_heap) reads
+  // them there instead.
+  virtual bool places_from_heap() const { return false; }
+  virtual void place_expert_rows(const Dispatched& d, ExpertDispatched& out, const at::Tensor& needed);
   // A combine handle's tensor fields: device, dtype, contiguity, shape.
   void check_handle_fields(const char* op, const at::Tensor& recv_src, const at::Tensor& counts,
                            const at::Tensor& src_tokens, const at::Tensor& send_mask) const;
@@ -313,6 +323,10 @@ class Comm {
   // combine once y [W*cap, H] and the handle's fields have passed its checks.
   at::Tensor combine_checked(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
                              const at::Tensor& src_tokens, const at::Tensor& send_mask);
+  // dispatch, its peers' rows left in the heap where peer_rows_in_heap.
+  Dispatched dispatch_rows(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales,
+                           const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights,
+                           bool peer_rows_in_heap);
   // The chunk loop of all_reduce: n elements of dtype st from in to out.
   void all_reduce_into(at::ScalarType st, const char* in, char* out, int64_t n, bool gpu);
 };
@@ -332,7 +346,8 @@ bool current_stream_capturing(int device_index);
 // current stream, over the rows received alone: out's x, x_scales,
 // topk_weights, expert_counts, expert_offsets and expert_rows_of (allocated
 // by the caller, in the shapes of Comm::dispatch_expert_outputs) from the
-// rank-layout result d, and `needed` ([1] int32) the rows its pairs need.
+// rank-layout result d (every row in d.x), and `needed` ([1] int32) the
+// rows its pairs need.
 void expert_layout_on_gpu(const Dispatched& d, int64_t experts, int64_t alignment, ExpertDispatched& out,
                           const at::Tensor& needed);
 // combine_expert's first half on the device: each received row's pair rows

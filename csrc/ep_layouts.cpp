@@ -104,7 +104,7 @@ std::array<OutputSpec, kExpertDispatchOutputs> Comm::dispatch_expert_outputs(
 // expert_rows is dropped (check_expert_rows_later raises for it).
 ExpertDispatched Comm::dispatch_expert(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales,
                                        const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights) {
-  Dispatched d = dispatch(x, x_scales, topk_idx, topk_weights);
+  Dispatched d = dispatch_rows(x, x_scales, topk_idx, topk_weights, places_from_heap());
   const bool weights = topk_weights.has_value();
   const int64_t E = cfg_.experts_per_rank(), n = cfg_.expert_rows(), R = d.topk_idx.size(0), K = cfg_.topk;
   ExpertDispatched out;
@@ -115,22 +115,26 @@ ExpertDispatched Comm::dispatch_expert(const at::Tensor& x, const c10::optional<
   out.expert_offsets = empty({E + 1}, at::kInt);
   out.expert_rows_of = empty({R, K}, at::kInt);
   const at::Tensor needed = empty({1}, at::kInt);
-  if (d.x.is_cpu()) {
-    expert_layout_on_host(d, out, needed);
-  } else {
-#ifdef RDNA4_COMM_WITH_GPU
-    expert_layout_on_gpu(d, E, cfg_.expert_alignment, out, needed);
-#else
-    TORCH_CHECK(false, "dispatch: the expert layout of device tensors needs rdna4_comm's GPU kernels, and this "
-                "build has none (built without CUDA or ROCm): rebuild it with a GPU build of torch (README.md)");
-#endif
-  }
+  place_expert_rows(d, out, needed);
   check_expert_rows_later(needed);
   out.recv_src = d.recv_src;
   out.counts = d.counts;
   out.src_tokens = d.src_tokens;
   out.send_mask = d.send_mask;
   return out;
+}
+
+void Comm::place_expert_rows(const Dispatched& d, ExpertDispatched& out, const at::Tensor& needed) {
+  if (d.x.is_cpu()) {
+    expert_layout_on_host(d, out, needed);
+    return;
+  }
+#ifdef RDNA4_COMM_WITH_GPU
+  expert_layout_on_gpu(d, cfg_.experts_per_rank(), cfg_.expert_alignment, out, needed);
+#else
+  TORCH_CHECK(false, "dispatch: the expert layout of device tensors needs rdna4_comm's GPU kernels, and this "
+              "build has none (built without CUDA or ROCm): rebuild it with a GPU build of torch (README.md)");
+#endif
 }
 
 void Comm::check_expert_rows_later(const at::Tensor& needed) {

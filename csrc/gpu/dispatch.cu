@@ -1,7 +1,8 @@
 // dispatch: sender block b routes chunk b of this rank's tokens and pushes
 // each row to its destinations; receiver blocks take the peers' rows from the
-// heap, chunk by chunk, into the fresh outputs. A rank's own rows skip the
-// heap. Then every block writes its share of the padding rows' routing (-1
+// heap, chunk by chunk, into the fresh outputs (for the expert layout, their
+// routing alone: the placement reads their payload in the heap,
+// expert_layout.cu). A rank's own rows skip the heap. Then every block writes its share of the padding rows' routing (-1
 // ids, 0 weights); the padding rows of x are left unwritten, so the work
 // follows the routed rows, not the capacity.
 #include "device/fp8_rows.cuh"
@@ -320,7 +321,9 @@ RC_DEVICE bool dispatch_receiver(const Env& env, const DispatchArgs& a, Dispatch
   const Layout& L = env.layout;
   const int me = env.rank, W = env.world, tid = threadIdx.x;
   const int64_t H = L.hidden, S = L.fp8_scales, payload = kFp8 ? H : H * L.elt, K = L.topk, cap = L.cap;
-  const uint32_t nvec = row_units<kFp8 ? kFp8Pair : kRowsAsIs, V>(L);  // a received row is its bytes
+  // A received row is its bytes; a row left in the heap (peer_rows_stay) is
+  // its routing alone, one row per warp step.
+  const uint32_t nvec = a.peer_rows_stay ? 1u : row_units<kFp8 ? kFp8Pair : kRowsAsIs, V>(L);
   char* out_x = static_cast<char*>(a.out_x);
   IdxT* out_idx = static_cast<IdxT*>(a.out_idx);
 
@@ -358,9 +361,12 @@ RC_DEVICE bool dispatch_receiver(const Env& env, const DispatchArgs& a, Dispatch
       const int64_t hr = sh.item_row_start[g] + row_in_item;  // the source's row
       const int64_t o = sh.src.offset[s] + hr;                // its output row
       char* row = L.dispatch_row(env.data[me], gen, s, hr);
-      auto out_row = [&](int) { return out_x + o * payload; };
-      copy_row<V, false>(row, out_row, 1u, rs);
-      if (kFp8 && rs.lead) copy_scales<false>(L.row_scales(row), S, [&](int) { return a.out_scales + o * S; }, 1u, rs);
+      if (!a.peer_rows_stay) {
+        auto out_row = [&](int) { return out_x + o * payload; };
+        copy_row<V, false>(row, out_row, 1u, rs);
+        if (kFp8 && rs.lead)
+          copy_scales<false>(L.row_scales(row), S, [&](int) { return a.out_scales + o * S; }, 1u, rs);
+      }
       if (!rs.lead) return;
       for (int k = int(rs.first); k < K; k += int(rs.stride)) {
         out_idx[o * K + k] = IdxT(L.row_ids(row)[k]);

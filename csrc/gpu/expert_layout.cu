@@ -3,9 +3,10 @@
 // rank-layout dispatch result's received rows grouped by local expert
 // (launch_expert_layout), and the pair-row sums that take an expert-layout y
 // back to rank-layout rows (launch_expert_sum). Plain stream-ordered
-// kernels: they touch no heap and no flag, so they need no generation and
-// no co-residency. They go over the rows received (the sum of counts, read
-// on the device), not the capacity: a decode step on a prefill-sized
+// kernels: they wait for no flag, so they need no co-residency; the GPU
+// transport's placement reads the peers' rows in its heap, where dispatch
+// left them (heap_gen). They go over the rows received (the sum of counts,
+// read on the device), not the capacity: a decode step on a prefill-sized
 // communicator pays for its own rows.
 //
 // The rows are placed in three kernels, over chunks of kExpertChunkRows
@@ -191,7 +192,8 @@ RC_DEVICE void for_received_rows(int32_t received, uint32_t nvec, Prepare prepar
 // Each received row's pairs get their rows (the expert's offset, plus its
 // rows in earlier chunks, plus the chunk's earlier rows that have it),
 // written to expert_rows_of in ascending expert order (then -1), and their
-// weights; then the row is loaded once and stored to each of its pair rows
+// weights; then the row is loaded once, from x or from the heap row where
+// dispatch left a peer's (heap_gen), and stored to each of its pair rows
 // (its scales too). Then the grid writes expert_rows_of of the rows not
 // received, and the alignment padding rows that fit (zeros, their scales
 // and weights too), a warp per row.
@@ -202,14 +204,42 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
   // fall past expert_rows).
   __shared__ int32_t pair_row[kBatchRows][kMaxTopk];
   __shared__ uint64_t kept[kBatchRows];
+  // And where its payload and scales are.
+  __shared__ const char* src_row[kBatchRows];
+  __shared__ const float* src_scales[kBatchRows];
   const int K = int(a.topk);
   const int64_t E = a.experts, n = a.expert_rows, S = a.scales_per_row, rb = a.row_bytes;
   const int64_t nvec = rb / int64_t(sizeof(V));
   const int32_t received = rows_received(a.counts, a.world, a.rows);
   const IdxT* ids = static_cast<const IdxT*>(a.ids);
+  // The dispatch before this kernel on the stream stored its generation in
+  // the counter at its end; the next dispatch starts after this kernel
+  // (the GPU transport launches both in its stream order), and no peer
+  // writes this parity of the heap before that dispatch has published.
+  __shared__ uint64_t heap_gen_shared;
+  if (threadIdx.x == 0) heap_gen_shared = a.heap_gen ? *a.heap_gen : 0;
+  block_sync();  // one load of the counter (uncached on HIP) per block
+  const uint64_t heap_gen = heap_gen_shared;
   auto prepare = [&](int r, int32_t j) {
     const IdxT* row = ids + int64_t(j) * K;
     int32_t* rows_of = a.out_rows_of + int64_t(j) * K;
+    // The sources' rows follow one another in rank order. A failed dispatch
+    // leaves counts unwritten: its rows are then kept within the heap.
+    const char* src = a.x + int64_t(j) * rb;
+    const float* scales = a.scales ? a.scales + int64_t(j) * S : nullptr;
+    if (a.heap_gen) {
+      int s = 0;
+      int64_t first = 0;
+      while (s + 1 < a.world && j >= first + a.counts[s]) first += a.counts[s++];
+      if (s != a.rank) {
+        const int64_t i = j - first, cap = a.heap.cap;
+        char* heap_row = a.heap.dispatch_row(a.heap_data, heap_gen, s, i < 0 ? 0 : (i < cap ? i : cap - 1));
+        src = heap_row;
+        if (scales) scales = a.heap.row_scales(heap_row);
+      }
+    }
+    src_row[r] = src;
+    src_scales[r] = scales;
     const uint64_t slots = pair_slots(row, K, E);
     const int64_t c = j / kChunkRows;
     const uint32_t below = (1u << (j % kChunkRows)) - 1u;
@@ -245,10 +275,10 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
   };
   for_received_rows(received, uint32_t(nvec), prepare, [&](int r, int32_t j, const RowSpan& s) {
     auto row_at = [&](int p) { return a.out_x + int64_t(pair_row[r][p]) * rb; };
-    copy_row<V, true>(a.x + int64_t(j) * rb, row_at, kept[r], s);
-    if (a.scales && s.lead)
-      copy_scales<true>(a.scales + int64_t(j) * S, S, [&](int p) { return a.out_scales + int64_t(pair_row[r][p]) * S; },
-                        kept[r], s);
+    copy_row<V, true>(src_row[r], row_at, kept[r], s);
+    if (src_scales[r] && s.lead)
+      copy_scales<true>(src_scales[r], S, [&](int p) { return a.out_scales + int64_t(pair_row[r][p]) * S; }, kept[r],
+                        s);
   });
   const int64_t gthread = int64_t(blockIdx.x) * kThreads + threadIdx.x, gthreads = int64_t(gridDim.x) * kThreads;
   for (int64_t i = int64_t(received) * K + gthread; i < a.rows * K; i += gthreads) a.out_rows_of[i] = -1;

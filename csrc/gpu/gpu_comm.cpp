@@ -46,6 +46,47 @@ DType dtype_of(at::ScalarType t) {
   }
 }
 
+// The placement's arguments for the rank-layout result d, every row in
+// d.x (GpuComm::place_expert_rows then points the peers' rows at its heap),
+// and its scratch: per (chunk, expert) a bitmask and a prefix
+// (expert_layout.cu), to be held until the kernels are launched.
+struct ExpertPlacement {
+  ExpertLayoutArgs args;
+  at::Tensor scratch;
+};
+ExpertPlacement expert_placement(const Dispatched& d, int64_t experts, int64_t alignment, ExpertDispatched& out,
+                                 const at::Tensor& needed, int sm_count) {
+  const int64_t R = d.topk_idx.size(0), K = d.topk_idx.size(1);
+  at::Tensor scratch = at::empty({2, expert_chunks(R), experts}, d.counts.options());
+  ExpertLayoutArgs a{};
+  a.ids = d.topk_idx.data_ptr();
+  a.ids_int64 = d.topk_idx.scalar_type() == at::kLong;
+  a.weights = d.topk_weights.numel() > 0 ? d.topk_weights.data_ptr() : nullptr;
+  a.weights_dtype = dtype_of(d.topk_weights.scalar_type());
+  a.x = static_cast<const char*>(d.x.data_ptr());
+  a.scales = d.x_scales.defined() ? d.x_scales.data_ptr<float>() : nullptr;
+  a.counts = d.counts.data_ptr<int32_t>();
+  a.world = int(d.counts.size(0));
+  a.rows = R;
+  a.topk = K;
+  a.experts = experts;
+  a.alignment = alignment;
+  a.expert_rows = out.x.size(0);
+  a.row_bytes = d.x.size(1) * int64_t(d.x.element_size());
+  a.scales_per_row = d.x_scales.defined() ? d.x_scales.size(1) : 0;
+  a.sm_count = sm_count;
+  a.chunk_masks = reinterpret_cast<uint32_t*>(scratch[0].data_ptr<int32_t>());
+  a.chunk_prefix = scratch[1].data_ptr<int32_t>();
+  a.out_x = static_cast<char*>(out.x.data_ptr());
+  a.out_scales = out.x_scales.defined() ? out.x_scales.data_ptr<float>() : nullptr;
+  a.out_weights = a.weights ? out.topk_weights.data_ptr() : nullptr;
+  a.out_counts = out.expert_counts.data_ptr<int32_t>();
+  a.out_offsets = out.expert_offsets.data_ptr<int32_t>();
+  a.out_rows_of = out.expert_rows_of.data_ptr<int32_t>();
+  a.out_needed = needed.data_ptr<int32_t>();
+  return {a, std::move(scratch)};
+}
+
 class GpuComm final : public Comm {
  public:
   explicit GpuComm(CommConfig cfg) : Comm(std::move(cfg)) {
@@ -232,6 +273,7 @@ class GpuComm final : public Comm {
     a.ntok = x.size(0);
     a.num_experts = cfg_.num_experts;
     a.out_x = out.x.data_ptr();
+    a.peer_rows_stay = out.peer_rows_in_heap;
     a.out_idx = out.topk_idx.data_ptr();
     a.out_weights = topk_weights ? out.topk_weights.data_ptr() : nullptr;
     a.out_counts = out.counts.data_ptr<int32_t>();
@@ -253,6 +295,23 @@ class GpuComm final : public Comm {
     a.dtype = dtype_of(cfg_.dtype);
     a.out = out.data_ptr();
     in_stream_order([&](Stream s) { launch_combine(env_, a, s); });
+  }
+
+  // The expert layout reads the peers' rows in the heap, where this rank's
+  // dispatch left them (DispatchArgs::peer_rows_stay): one pass over their
+  // payload. The placement is launched in the communicator's stream order,
+  // so the next dispatch, whose peers may overwrite this parity of the heap
+  // two dispatches on, starts after it on any stream.
+  bool places_from_heap() const override { return true; }
+  void place_expert_rows(const Dispatched& d, ExpertDispatched& out, const at::Tensor& needed) override {
+    TORCH_INTERNAL_ASSERT(d.peer_rows_in_heap, "place_expert_rows: the dispatch copied the peers' rows out of the heap");
+    ExpertPlacement p = expert_placement(d, cfg_.experts_per_rank(), cfg_.expert_alignment, out, needed,
+                                         env_.sm_count);
+    p.args.heap_gen = layout_.counter(env_.sig[cfg_.rank], kOpDispatch, 0);
+    p.args.heap = layout_;
+    p.args.heap_data = env_.data[cfg_.rank];
+    p.args.rank = cfg_.rank;
+    in_stream_order([&](Stream s) { launch_expert_layout(p.args, s); });
   }
 
  private:
@@ -414,36 +473,8 @@ void expert_layout_on_gpu(const Dispatched& d, int64_t experts, int64_t alignmen
                           const at::Tensor& needed) {
   const int dev = d.x.get_device();
   c10::cuda::CUDAGuard guard(dev);
-  const int64_t R = d.topk_idx.size(0), K = d.topk_idx.size(1);
-  // Scratch: per (chunk, expert) a bitmask and a prefix (expert_layout.cu).
-  const at::Tensor scratch = at::empty({2, expert_chunks(R), experts}, d.counts.options());
-  ExpertLayoutArgs a{};
-  a.ids = d.topk_idx.data_ptr();
-  a.ids_int64 = d.topk_idx.scalar_type() == at::kLong;
-  a.weights = d.topk_weights.numel() > 0 ? d.topk_weights.data_ptr() : nullptr;
-  a.weights_dtype = dtype_of(d.topk_weights.scalar_type());
-  a.x = static_cast<const char*>(d.x.data_ptr());
-  a.scales = d.x_scales.defined() ? d.x_scales.data_ptr<float>() : nullptr;
-  a.counts = d.counts.data_ptr<int32_t>();
-  a.world = int(d.counts.size(0));
-  a.rows = R;
-  a.topk = K;
-  a.experts = experts;
-  a.alignment = alignment;
-  a.expert_rows = out.x.size(0);
-  a.row_bytes = d.x.size(1) * int64_t(d.x.element_size());
-  a.scales_per_row = d.x_scales.defined() ? d.x_scales.size(1) : 0;
-  a.sm_count = sm_count_of(dev);
-  a.chunk_masks = reinterpret_cast<uint32_t*>(scratch[0].data_ptr<int32_t>());
-  a.chunk_prefix = scratch[1].data_ptr<int32_t>();
-  a.out_x = static_cast<char*>(out.x.data_ptr());
-  a.out_scales = out.x_scales.defined() ? out.x_scales.data_ptr<float>() : nullptr;
-  a.out_weights = a.weights ? out.topk_weights.data_ptr() : nullptr;
-  a.out_counts = out.expert_counts.data_ptr<int32_t>();
-  a.out_offsets = out.expert_offsets.data_ptr<int32_t>();
-  a.out_rows_of = out.expert_rows_of.data_ptr<int32_t>();
-  a.out_needed = needed.data_ptr<int32_t>();
-  launch_expert_layout(a, c10::cuda::getCurrentCUDAStream(dev).stream());
+  const ExpertPlacement p = expert_placement(d, experts, alignment, out, needed, sm_count_of(dev));
+  launch_expert_layout(p.args, c10::cuda::getCurrentCUDAStream(dev).stream());
   RC_GPU_CHECK(get_last_error());
 }
 

@@ -58,6 +58,10 @@ struct DispatchArgs {
   int64_t ntok;
   int64_t num_experts;
   void* out_x;              // [W*cap, H]; rows past the received ones are left unwritten
+  // The expert layout's dispatch: the receivers leave the peers' rows in the
+  // heap, where the placement reads them (ExpertLayoutArgs::heap_gen), and
+  // write only their routing; out_x then holds this rank's own rows alone.
+  bool peer_rows_stay;
   float* out_scales;        // FP8: [W*cap, fp8_scales]; else nullptr
   bool fp8_vectors;         // FP8: whole blocks (H % kFp8Block == 0), x and out_x 16-byte aligned
   void* out_idx;            // [W*cap, K]
@@ -89,6 +93,15 @@ struct ExpertLayoutArgs {
   DType weights_dtype;
   const char* x;        // [R, row_bytes]
   const float* scales;  // FP8: [R, S]; else nullptr
+  // Where dispatch left the peers' rows (DispatchArgs::peer_rows_stay):
+  // source s's i-th row at heap.dispatch_row(heap_data, gen, s, i), its
+  // scales at heap.row_scales, gen the dispatch's, read from heap_gen on
+  // the device (this rank's dispatch counter); x holds the rows of source
+  // `rank` alone. heap_gen nullptr: every row is in x.
+  const uint64_t* heap_gen;
+  Layout heap;
+  char* heap_data;
+  int rank;
   const int32_t* counts;  // [W]
   int world;
   int64_t rows, topk, experts, alignment, expert_rows, row_bytes, scales_per_row;

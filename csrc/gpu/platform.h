@@ -280,7 +280,8 @@ RC_DEVICE int32_t warp_shfl_up(int32_t v, int delta) {
 }
 
 // Loads of memory that nothing writes while the kernel runs (an op's input
-// tensors, never the heap, which peers write during the op): on NVIDIA
+// tensors, or a finished dispatch's heap rows; never the heap of the op in
+// flight, which peers write during the op): on NVIDIA
 // through the read-only path, which leaves L1 to the rest. 16, 8, 4, 2 or 1
 // bytes.
 template <typename V>

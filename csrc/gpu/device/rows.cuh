@@ -53,9 +53,11 @@ RC_DEVICE void for_row_pieces(uint32_t rows, uint32_t n, Piece piece) {
 // (ranks, or an expert-layout row's pair rows; the same on every lane of
 // the warp): each vector is loaded once and stored to every destination,
 // the destinations taken one set bit at a time (the loop is as long as the
-// mask, not the largest world). kInput: src is an op's input, which
-// nothing writes while the kernel runs (load_input); else heap memory that a
-// peer wrote in this op (plain loads, ordered after the flag's acquire).
+// mask, not the largest world). kInput: src is memory nothing writes while
+// the kernel runs (load_input): an op's input, or heap rows of a dispatch
+// that has finished, which no peer overwrites before this rank's next
+// dispatch (the expert placement); else heap memory that a peer wrote in
+// this op (plain loads, ordered after the flag's acquire).
 RC_DEVICE bool short_span(const RowSpan& s) { return s.end <= s.first + kShortUnroll * s.stride; }
 
 template <int U, typename V, bool kInput, typename RowOf, typename Mask>
