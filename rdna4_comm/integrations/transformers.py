@@ -336,7 +336,8 @@ class ExpertParallelMoEBlock(nn.Module):
         else:
             h = ex.act_fn(project(rows, ex.up_proj, "up_proj_bias"))
         out = project(h, ex.down_proj, "down_proj_bias")
-        if ex.has_post_expert_norm:
+        # Releases of transformers before the post-expert norm have no flag for it.
+        if getattr(ex, "has_post_expert_norm", False):
             out = ex.post_expert_norm(out)
         return (out * d.topk_weights.unsqueeze(-1)).to(rows.dtype)
 
