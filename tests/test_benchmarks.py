@@ -328,3 +328,25 @@ def test_auto_world_is_the_library_choice_for_one_process_per_gpu():
     assert resolve_world("dist") == ("dist", gpus if gpus else 2)
     with pytest.raises(ValueError, match="transport must be 'auto', 'gpu', 'cpu' or 'dist'"):
         resolve_world("nccl")
+
+
+def test_ncu_stalls_cuts_a_kernel_at_its_barriers(tmp_path):
+    # ncu --page source --csv --print-source sass, in its recorded format: a
+    # kernel-name line, the column names, one line per instruction.
+    cols = ["Address", "Source", "# Samples", "Instructions Executed", "stall_barrier", "stall_long_sb",
+            "stall_barrier (Not Issued)"]
+    ins = [("LDG.E R2, [R4]", 5, 16, 0, 0), ("IADD3 R0, R2, 0x1", 30, 16, 0, 30),
+           ("BAR.SYNC.DEFER_BLOCKING 0x0", 60, 16, 60, 0), ("STG.E [R6], R0", 5, 16, 0, 5),
+           ("EXIT", 0, 16, 0, 0), ("BRA 0x0", 0, 0, 0, 0)]
+    lines = ['"Kernel Name","void k(int)",', ",".join(f'"{c}"' for c in cols)]
+    lines += [",".join(f'"{v}"' for v in (f"0x{16 * n:x}", src, s, e, b, l, 0)) for n, (src, s, e, b, l) in enumerate(ins)]
+    page = tmp_path / "page.csv"
+    page.write_text("\n".join(lines) + "\n")
+    r = run("benchmarks/ncu_stalls.py", str(page), "--top", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert "void k(int)" in out and "samples 100, warp instructions executed 80" in out
+    # Two pieces: up to the barrier (95 samples), then up to the exit (5).
+    assert re.search(r"0-2\s+95\s+95\.0%\s+48\s+BAR\.SYNC", out), out
+    assert re.search(r"3-4\s+5\s+5\.0%\s+32\s+EXIT\s+long_sb 5", out), out
+    assert "barrier 60" in out and "long_sb 35" in out
