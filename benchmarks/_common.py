@@ -96,12 +96,18 @@ def progress(total: int, desc: str):
 
 
 def _git_commit() -> str | None:
-    """The commit of the rdna4_comm checkout, where it is one (read-only git call)."""
+    """The commit of the rdna4_comm checkout, where it is one, with "+changes"
+    where its tracked files differ from that commit (read-only git calls): a
+    copied working tree can carry an older commit's history."""
     import rdna4_comm
 
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=Path(rdna4_comm.__file__).parent, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(rdna4_comm.__file__).parent,
-                              capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        head = git("rev-parse", "HEAD")
+        return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.SubprocessError):
         return None
 
