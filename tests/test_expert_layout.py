@@ -27,11 +27,17 @@ def ref_cfg(cfg):
     return dict(hidden=cfg["hidden"], topk=cfg["topk"], num_experts=cfg["num_experts"], dtype=cfg["dtype"])
 
 
-def t_round_trip(ctx, cfg, seed, Ts, kind, weights):
+def placed(x, dev, offset):
+    """x on dev, `offset` elements into a buffer of its own (1: its rows start off 16-byte boundaries)."""
+    buf = torch.empty(x.numel() + offset, dtype=x.dtype, device=dev)
+    return buf[offset:].view(x.shape).copy_(x)
+
+
+def t_round_trip(ctx, cfg, seed, Ts, kind, weights, offset=0):
     comm = ctx.comm(**cfg)
     dev = ctx.device
     x, idx, w = ep_inputs(seed, ctx.rank, ctx.world, Ts[ctx.rank], ref_cfg(cfg), kind, weights)
-    d = comm.dispatch(x.to(dev), idx.to(dev), None if w is None else w.to(dev), layout="expert")
+    d = comm.dispatch(placed(x, dev, offset), idx.to(dev), None if w is None else w.to(dev), layout="expert")
     out = comm.combine(expert_fn(d.x, ctx.rank), d.handle)
     return d, out, comm.expert_rows
 
@@ -61,9 +67,9 @@ def assert_expert_dispatched(d, ref, what):
         assert_bitwise(getattr(d.handle, field), getattr(ref.handle, field), f"{what} handle.{field}")
 
 
-def check(world, cfg, seed, Ts, kind, weights):
+def check(world, cfg, seed, Ts, kind, weights, offset=0):
     ref, ref_out = expected(world.size, cfg, seed, Ts, kind, weights)
-    for r, (d, out, rows) in enumerate(world.run(t_round_trip, cfg, seed, Ts, kind, weights)):
+    for r, (d, out, rows) in enumerate(world.run(t_round_trip, cfg, seed, Ts, kind, weights, offset)):
         assert rows == ref[r].x.shape[0]
         assert_expert_dispatched(d, ref[r], f"rank {r}")
         assert_bitwise(out, ref_out[r], f"rank {r} combine")
@@ -73,6 +79,12 @@ def check(world, cfg, seed, Ts, kind, weights):
 def test_every_routing_kind(world, kind):
     W = world.size
     check(world, ep_config(12, 24, 4, 4 * W, torch.bfloat16, 16), 5, [12 - 5 * (r % 3) for r in range(W)], kind, True)
+
+
+def test_rows_off_vector_boundaries_give_the_same_bits(world):
+    # x one element past a 16-byte boundary (its rows of 512 bytes all off one).
+    W = world.size
+    check(world, ep_config(7, 256, 3, 2 * W, torch.bfloat16, 16), 8, [7, 2, 0, 5][:W], "random", True, offset=1)
 
 
 @pytest.mark.parametrize("alignment", [1, 16, 128])
