@@ -2,9 +2,10 @@
 // each row to its destinations; receiver blocks take the peers' rows from the
 // heap, chunk by chunk, into the fresh outputs (for the expert layout, their
 // routing alone: the placement reads their payload in the heap,
-// expert_layout.cu). A rank's own rows skip the heap. Then every block writes its share of the padding rows' routing (-1
-// ids, 0 weights); the padding rows of x are left unwritten, so the work
-// follows the routed rows, not the capacity.
+// expert_layout.cu). A rank's own rows skip the heap. Then every block
+// writes its share of the padding rows' routing (-1 ids, 0 weights); the
+// padding rows of x are left unwritten, so the work follows the routed
+// rows, not the capacity.
 #include "device/fp8_rows.cuh"
 #include "device/routing.cuh"
 #include "device/sync.cuh"
