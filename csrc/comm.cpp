@@ -300,7 +300,7 @@ Dispatched Comm::dispatch(const at::Tensor& x, const c10::optional<at::Tensor>& 
 
 Dispatched Comm::dispatch_rows(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales,
                                const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights,
-                               bool peer_rows_in_heap) {
+                               bool rows_stay) {
   check();
   static const char* op = "dispatch";
   check_ep(cfg_, op);
@@ -352,14 +352,25 @@ Dispatched Comm::dispatch_rows(const at::Tensor& x, const c10::optional<at::Tens
     check_per_token("topk_weights", *topk_weights, cfg_.topk, "topk");
   }
   Dispatched out = allocate_dispatched(T, it, wt);
-  out.peer_rows_in_heap = peer_rows_in_heap;
   // The transports take [T, H] and [T, K]; a view is an op call of its own
   // (a quarter of the host time of an eager dispatch), so flat inputs pass as they are.
   auto flat = [T](const at::Tensor& t, int64_t cols) { return t.dim() == 2 ? t : t.view({T, cols}); };
   c10::optional<at::Tensor> weights, scales;
   if (topk_weights.has_value()) weights = flat(*topk_weights, cfg_.topk);
   if (x_scales.has_value()) scales = flat(*x_scales, cfg_.fp8_scales);
-  dispatch_impl(flat(x, cfg_.hidden), scales, flat(topk_idx, cfg_.topk), weights, out);
+  const at::Tensor rows = flat(x, cfg_.hidden);
+  if (rows_stay) {
+    out.peer_rows_in_heap = true;
+    // Rows the op quantises exist only in its output; and rows that start
+    // off the 16-byte vectors of a fresh output would slow every row's copy.
+    const int64_t row_bytes = cfg_.hidden * int64_t(rows.element_size());
+    const bool vectors_kept = row_bytes % 16 != 0 || reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0;
+    if ((!cfg_.fp8() || scales) && vectors_kept) {
+      out.own_rows = rows;
+      if (scales) out.own_scales = *scales;
+    }
+  }
+  dispatch_impl(rows, scales, flat(topk_idx, cfg_.topk), weights, out);
   return out;
 }
 

@@ -101,10 +101,13 @@ struct Dispatched {
   at::Tensor src_tokens;  // [W] int32: T of each source rank
   at::Tensor send_mask;   // [T] int32: bit d set when the token was sent to rank d
   at::Tensor x_scales;    // FP8: [W*cap, fp8_num_scales(H)] fp32, x's scales; else undefined
-  // The expert layout's dispatch on the GPU transport: x (and x_scales)
-  // hold this rank's own rows alone, the peers' stay in the heap, where
-  // the placement reads them (Comm::place_expert_rows).
+  // The expert layout's dispatch on the GPU transport leaves the rows where
+  // they are, for the placement to read (Comm::place_expert_rows): the
+  // peers' in the heap; this rank's own in own_rows (and own_scales), the
+  // caller's x ([T, H]) and scales, where the payload is the input's bytes
+  // (not FP8 quantised by the op) on 16-byte vectors; else in x and x_scales.
   bool peer_rows_in_heap = false;
+  at::Tensor own_rows, own_scales;
 };
 
 // An EP op's output: its shape, kTokenDim standing for the caller's token
@@ -267,8 +270,8 @@ class Comm {
   void expert_layout_on_host(const Dispatched& d, ExpertDispatched& out, const at::Tensor& needed);
   // dispatch_expert's placement of d's rows into out: on the host for CPU
   // tensors, else expert_layout_on_gpu. A transport whose dispatch can
-  // leave the peers' rows where they arrived (places_from_heap) reads
-  // them there instead.
+  // leave the rows where they are (places_from_heap) reads them there
+  // instead.
   virtual bool places_from_heap() const { return false; }
   virtual void place_expert_rows(const Dispatched& d, ExpertDispatched& out, const at::Tensor& needed);
   // A combine handle's tensor fields: device, dtype, contiguity, shape.
@@ -323,10 +326,10 @@ class Comm {
   // combine once y [W*cap, H] and the handle's fields have passed its checks.
   at::Tensor combine_checked(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
                              const at::Tensor& src_tokens, const at::Tensor& send_mask);
-  // dispatch, its peers' rows left in the heap where peer_rows_in_heap.
+  // dispatch; with rows_stay, the rows left where they are (Dispatched::peer_rows_in_heap).
   Dispatched dispatch_rows(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales,
                            const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights,
-                           bool peer_rows_in_heap);
+                           bool rows_stay);
   // The chunk loop of all_reduce: n elements of dtype st from in to out.
   void all_reduce_into(at::ScalarType st, const char* in, char* out, int64_t n, bool gpu);
 };

@@ -1,11 +1,12 @@
 // dispatch: sender block b routes chunk b of this rank's tokens and pushes
 // each row to its destinations; receiver blocks take the peers' rows from the
 // heap, chunk by chunk, into the fresh outputs (for the expert layout, their
-// routing alone: the placement reads their payload in the heap,
-// expert_layout.cu). A rank's own rows skip the heap. Then every block
-// writes its share of the padding rows' routing (-1 ids, 0 weights); the
-// padding rows of x are left unwritten, so the work follows the routed
-// rows, not the capacity.
+// routing alone: the placement reads the peers' payload in the heap and,
+// unless the op quantises it, this rank's in x, the input; expert_layout.cu).
+// A rank's own rows skip the heap.
+// Then every block writes its share of the padding rows' routing (-1 ids, 0
+// weights); the padding rows of x are left unwritten, so the work follows the
+// routed rows, not the capacity.
 #include "device/fp8_rows.cuh"
 #include "device/routing.cuh"
 #include "device/sync.cuh"
@@ -162,8 +163,9 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
     store_release_sys(&head->gen, gen);
   }
 
-  // This rank's own rows skip the heap: they go straight to the output, after
-  // the rows of every lower rank, whose counts come from their headers:
+  // This rank's own rows skip the heap: they go straight to the output (their
+  // routing alone where they stay in x: own_rows_stay), after the rows of
+  // every lower rank, whose counts come from their headers:
   // thread s < me reads header s's once it has arrived (`wait`: a bounded
   // wait, else one poll), warp 0 adds them up. True on every thread, with
   // self_base set, when every one had.
@@ -188,8 +190,9 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
 
   // The chunk's rows for the destinations in `dests`, a batch at a time:
   // each token's row is loaded once and stored to every destination it has
-  // among them, then its routing (the local id where the slot's expert
-  // lives on the destination, else -1 and weight 0) and source token.
+  // among them (but this rank where own_rows_stay), then its routing (the
+  // local id where the slot's expert lives on the destination, else -1 and
+  // weight 0) and source token.
   // The batch arrays are complete here: one batch's were written before a
   // barrier (the lower ranks' headers); the others are routed again here.
   auto send = [&](uint32_t dests) {
@@ -206,7 +209,7 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
         if (tm == 0) return;
         const int64_t tok = tb + int32_t(r);
         // Destination d's row: j of the rows this rank sends it; this
-        // rank's own go to the output, after the lower ranks' rows.
+        // rank's own are the output's, after the lower ranks' rows.
         auto row_index = [&](int d) { return int64_t(sh.row_base[d]) + sh.batch_pos[at][d]; };
         auto row_at = [&](int d) {
           return d == me ? out_x + (self_base + row_index(d)) * payload
@@ -227,11 +230,13 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
         auto scales_at = [&](int d) {
           return d == me ? a.out_scales + (self_base + row_index(d)) * S : L.row_scales(row_at(d));
         };
+        // The payload to every destination but this rank where its own rows stay in x.
+        const uint32_t pm = a.own_rows_stay ? tm & ~(1u << me) : tm;
         if constexpr (kMode == kQuantizeFp8) {
-          quantize_fp8_row(x + tok * in_row, a.x_dtype, H, a.fp8_vectors, row_at, scales_at, tm, s);
-        } else {
-          copy_row<V, true>(x + tok * in_row, row_at, tm, s);
-          if (kMode == kFp8Pair && s.lead) copy_scales<true>(a.x_scales + tok * S, S, scales_at, tm, s);
+          quantize_fp8_row(x + tok * in_row, a.x_dtype, H, a.fp8_vectors, row_at, scales_at, pm, s);
+        } else if (pm != 0) {
+          copy_row<V, true>(x + tok * in_row, row_at, pm, s);
+          if (kMode == kFp8Pair && s.lead) copy_scales<true>(a.x_scales + tok * S, S, scales_at, pm, s);
         }
         if (!s.lead) return;
 #pragma unroll

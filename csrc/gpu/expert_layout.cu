@@ -4,10 +4,12 @@
 // (launch_expert_layout), and the pair-row sums that take an expert-layout y
 // back to rank-layout rows (launch_expert_sum). Plain stream-ordered
 // kernels: they wait for no flag, so they need no co-residency; the GPU
-// transport's placement reads the peers' rows in its heap, where dispatch
-// left them (heap_gen). They go over the rows received (the sum of counts,
-// read on the device), not the capacity: a decode step on a prefill-sized
-// communicator pays for its own rows.
+// transport's placement reads the rows where dispatch left them (heap_gen):
+// the peers' in its heap, this rank's own in dispatch's input (or, rows the
+// op quantised to FP8, in its rank-layout output). They go over
+// the rows received (the sum of counts, read on the device), not the
+// capacity: a decode step on a prefill-sized communicator pays for its own
+// rows.
 //
 // The rows are placed in three kernels, over chunks of kExpertChunkRows
 // received rows (protocol.h):
@@ -192,11 +194,11 @@ RC_DEVICE void for_received_rows(int32_t received, uint32_t nvec, Prepare prepar
 // Each received row's pairs get their rows (the expert's offset, plus its
 // rows in earlier chunks, plus the chunk's earlier rows that have it),
 // written to expert_rows_of in ascending expert order (then -1), and their
-// weights; then the row is loaded once, from x or from the heap row where
-// dispatch left a peer's (heap_gen), and stored to each of its pair rows
-// (its scales too). Then the grid writes expert_rows_of of the rows not
-// received, and the alignment padding rows that fit (zeros, their scales
-// and weights too), a warp per row.
+// weights; then the row is loaded once, from x or where dispatch left it
+// (heap_gen: a peer's in the heap, this rank's in own_x), and stored to
+// each of its pair rows (its scales too). Then the grid writes
+// expert_rows_of of the rows not received, and the alignment padding rows
+// that fit (zeros, their scales and weights too), a warp per row.
 template <typename IdxT, typename V>
 __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs a) {
   // Row r of the batch: its pairs' rows, and which of them are kept (a
@@ -236,6 +238,12 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
         char* heap_row = a.heap.dispatch_row(a.heap_data, heap_gen, s, i < 0 ? 0 : (i < cap ? i : cap - 1));
         src = heap_row;
         if (scales) scales = a.heap.row_scales(heap_row);
+      } else if (a.own_x && a.own_tokens > 0) {
+        // The token is kept within the input, as the heap row above.
+        const int64_t t = int64_t(a.recv_src[j]) - int64_t(a.rank) * a.heap.cap;
+        const int64_t tok = t < 0 ? 0 : (t < a.own_tokens ? t : a.own_tokens - 1);
+        src = a.own_x + tok * rb;
+        if (scales) scales = a.own_scales + tok * S;
       }
     }
     src_row[r] = src;
@@ -335,7 +343,7 @@ __global__ void __launch_bounds__(kThreads) expert_sum_kernel(ExpertSumArgs a, i
 void launch_expert_layout(const ExpertLayoutArgs& a, Stream s) {
   auto run = [&](auto kernel, int blocks) { RC_LAUNCH(kernel, blocks, kThreads, 0, s, a); };
   // Rows in 16-byte vectors where rows and pointers allow it, else bytes.
-  const bool v16 = widest_vector(a.row_bytes, {a.x, a.out_x}) == 16;
+  const bool v16 = widest_vector(a.row_bytes, {a.x, a.own_x, a.out_x}) == 16;
   const int place_blocks = expert_place_blocks(a.rows, a.experts, a.alignment, a.sm_count);
   auto go = [&](auto idx) {
     using IdxT = typename decltype(idx)::type;

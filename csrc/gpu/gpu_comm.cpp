@@ -47,7 +47,8 @@ DType dtype_of(at::ScalarType t) {
 }
 
 // The placement's arguments for the rank-layout result d, every row in
-// d.x (GpuComm::place_expert_rows then points the peers' rows at its heap),
+// d.x (GpuComm::place_expert_rows then points the peers' rows at its heap
+// and this rank's at dispatch's input where they stayed there),
 // and its scratch: per (chunk, expert) a bitmask and a prefix
 // (expert_layout.cu), to be held until the kernels are launched.
 struct ExpertPlacement {
@@ -274,6 +275,7 @@ class GpuComm final : public Comm {
     a.num_experts = cfg_.num_experts;
     a.out_x = out.x.data_ptr();
     a.peer_rows_stay = out.peer_rows_in_heap;
+    a.own_rows_stay = out.own_rows.defined();
     a.out_idx = out.topk_idx.data_ptr();
     a.out_weights = topk_weights ? out.topk_weights.data_ptr() : nullptr;
     a.out_counts = out.counts.data_ptr<int32_t>();
@@ -298,10 +300,11 @@ class GpuComm final : public Comm {
   }
 
   // The expert layout reads the peers' rows in the heap, where this rank's
-  // dispatch left them (DispatchArgs::peer_rows_stay): one pass over their
-  // payload. The placement is launched in the communicator's stream order,
-  // so the next dispatch, whose peers may overwrite this parity of the heap
-  // two dispatches on, starts after it on any stream.
+  // dispatch left them (DispatchArgs::peer_rows_stay), and this rank's own
+  // in the caller's x where they are its bytes (own_rows_stay): one pass
+  // over the payload. The placement is launched in the communicator's
+  // stream order, so the next dispatch, whose peers may overwrite this
+  // parity of the heap two dispatches on, starts after it on any stream.
   bool places_from_heap() const override { return true; }
   void place_expert_rows(const Dispatched& d, ExpertDispatched& out, const at::Tensor& needed) override {
     TORCH_INTERNAL_ASSERT(d.peer_rows_in_heap, "place_expert_rows: the dispatch copied the peers' rows out of the heap");
@@ -311,6 +314,12 @@ class GpuComm final : public Comm {
     p.args.heap = layout_;
     p.args.heap_data = env_.data[cfg_.rank];
     p.args.rank = cfg_.rank;
+    if (d.own_rows.defined()) {
+      p.args.own_x = static_cast<const char*>(d.own_rows.data_ptr());
+      p.args.own_scales = d.own_scales.defined() ? d.own_scales.data_ptr<float>() : nullptr;
+      p.args.own_tokens = d.own_rows.size(0);
+      p.args.recv_src = d.recv_src.data_ptr<int32_t>();
+    }
     in_stream_order([&](Stream s) { launch_expert_layout(p.args, s); });
   }
 

@@ -60,8 +60,13 @@ struct DispatchArgs {
   void* out_x;              // [W*cap, H]; rows past the received ones are left unwritten
   // The expert layout's dispatch: the receivers leave the peers' rows in the
   // heap, where the placement reads them (ExpertLayoutArgs::heap_gen), and
-  // write only their routing; out_x then holds this rank's own rows alone.
+  // write only their routing; out_x then holds this rank's own rows alone
+  // (none with own_rows_stay).
   bool peer_rows_stay;
+  // And the sender writes only the routing of this rank's own rows (x's
+  // bytes, not quantised here): the placement reads them in x
+  // (ExpertLayoutArgs::own_x).
+  bool own_rows_stay;
   float* out_scales;        // FP8: [W*cap, fp8_scales]; else nullptr
   bool fp8_vectors;         // FP8: whole blocks (H % kFp8Block == 0), x and out_x 16-byte aligned
   void* out_idx;            // [W*cap, K]
@@ -97,11 +102,17 @@ struct ExpertLayoutArgs {
   // source s's i-th row at heap.dispatch_row(heap_data, gen, s, i), its
   // scales at heap.row_scales, gen the dispatch's, read from heap_gen on
   // the device (this rank's dispatch counter); x holds the rows of source
-  // `rank` alone. heap_gen nullptr: every row is in x.
+  // `rank` alone, unless own_x holds them: the dispatch's input [own_tokens,
+  // row_bytes] (its scales own_scales), row j being token recv_src[j] -
+  // rank * heap.cap. heap_gen nullptr: every row is in x.
   const uint64_t* heap_gen;
   Layout heap;
   char* heap_data;
   int rank;
+  const char* own_x;
+  const float* own_scales;
+  int64_t own_tokens;
+  const int32_t* recv_src;
   const int32_t* counts;  // [W]
   int world;
   int64_t rows, topk, experts, alignment, expert_rows, row_bytes, scales_per_row;
