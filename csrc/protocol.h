@@ -139,6 +139,14 @@ constexpr int kGpuBlockThreads = 512;
 // round more. Both give every row the same position.
 RC_HD bool dispatch_routes_all_tokens(int64_t ntok) { return ntok <= kGpuBlockThreads; }
 
+// Dispatch senders prefetch their chunk of input rows into L1 while they
+// route it, a line of kPrefetchLineBytes a thread, only where that covers
+// the whole chunk (csrc/gpu/dispatch.cu says why).
+constexpr int64_t kPrefetchLineBytes = 128;
+RC_HD bool dispatch_prefetches_chunk(int64_t chunk_bytes) {
+  return chunk_bytes <= int64_t(kGpuBlockThreads) * kPrefetchLineBytes;
+}
+
 // all_reduce algorithm predicate. One-shot: every rank pushes its whole
 // input to every peer and sums locally (one barrier, (W-1)*N bytes out per
 // rank). Two-shot: reduce-scatter then all-gather (two barriers,
@@ -232,12 +240,13 @@ static_assert(kMaxGpuWorld * kMaxGpuTokensPerRank <= (int64_t(1) << 22), "a recv
 // GPU launch policy. All blocks of a launch must be resident at once: a
 // block spins on flags that other blocks publish, of this launch or of a
 // peer's, and a block queued behind spinning ones would never run. The
-// kernels take one block per multiprocessor, and EP grids leave one
-// multiprocessor in kEpReservedSmFraction (at least 2) to others: a stray
-// kernel on a few of them cannot leave a block waiting for a slot. (With
-// 3/4 of them, dispatch and combine of 4096 tokens took 5% longer: the row
-// loops keep a block's loads in flight per multiprocessor, so the bytes in
-// flight grow with the grid.) dispatch/combine split that budget between
+// kernels take one block per multiprocessor, and EP grids leave
+// kEpReservedSms multiprocessors to others: a stray kernel on one or two of
+// them cannot leave a block waiting for a slot. The row loops keep a
+// block's loads in flight per multiprocessor, so the bytes in flight grow
+// with the grid: on an H200 dispatch and combine of 4096 tokens took 5%
+// longer on 3/4 of the multiprocessors, and 1-1.5% longer with one in 16
+// left out (docs/performance.md). dispatch/combine split that budget between
 // senders and receivers by the memory streams each role runs per row: dispatch senders
 // read a row of x once and write it to each of its destinations (about W
 // streams at most, W + 1 counted), receivers read the heap and write the
@@ -256,10 +265,9 @@ struct EpGrid {
 RC_HD int clamp_blocks(int64_t want, int64_t most) {
   return int(want < 1 ? 1 : (want > most ? (most < 1 ? 1 : most) : want));
 }
-constexpr int kEpReservedSmFraction = 16;
+constexpr int kEpReservedSms = 2;
 RC_HD int ep_grid_budget(int sm_count) {
-  const int reserved = sm_count / kEpReservedSmFraction > 2 ? sm_count / kEpReservedSmFraction : 2;
-  const int b = sm_count - reserved < kMaxLaunchBlocks ? sm_count - reserved : kMaxLaunchBlocks;
+  const int b = sm_count - kEpReservedSms < kMaxLaunchBlocks ? sm_count - kEpReservedSms : kMaxLaunchBlocks;
   return b < 2 ? 2 : b;
 }
 // Most blocks of the own-token role: its share (W + 1) / (3W - 1) of the

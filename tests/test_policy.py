@@ -41,10 +41,9 @@ def ceil_div(a, b):
 @pytest.mark.parametrize("sms", [1, 2, 8, H200_SMS, 400])
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_ep_grids_split_the_budget_by_streams_and_give_every_block_the_same_tokens(world, sms):
-    # All multiprocessors but one in 16 (at least 2), and no more blocks than
-    # have a generation counter each (400 multiprocessors: more than any GPU
-    # has today).
-    budget = max(2, min(sms - max(2, sms // 16), _C.testing.max_launch_blocks))
+    # All multiprocessors but 2, and no more blocks than have a generation
+    # counter each (400 multiprocessors: more than any GPU has today).
+    budget = max(2, min(sms - 2, _C.testing.max_launch_blocks))
     own_share = max(1, min(budget * (world + 1) // (3 * world - 1), budget - 1, 128))
     assert _C.testing.ep_own_role_share(world, sms) == own_share
     for ntok in (0, 1, 8, 32, 98, 99, 128, 1000, 4096, 16384, 1 << 18):
@@ -66,8 +65,8 @@ def test_ep_grids_split_the_budget_by_streams_and_give_every_block_the_same_toke
     # One block per token up to the role's share; at W = 1 everything but one receiver sends.
     assert _C.testing.dispatch_grid(8, world, H200_SMS)[0] == 8
     if world == 1:
-        assert _C.testing.dispatch_grid(4096, 1, H200_SMS) == (121, 1)  # 34 tokens a block, the last 16
-        assert _C.testing.combine_grid(4096, 1, H200_SMS) == (1, 121)
+        assert _C.testing.dispatch_grid(4096, 1, H200_SMS) == (128, 1)  # 32 tokens a block, the 128 blocks a role may have
+        assert _C.testing.combine_grid(4096, 1, H200_SMS) == (1, 128)
 
 
 def test_dispatch_senders_route_every_token_while_the_tokens_fit_one_block():
@@ -79,6 +78,24 @@ def test_dispatch_senders_route_every_token_while_the_tokens_fit_one_block():
         assert _C.testing.dispatch_routes_all_tokens(ntok), ntok
     for ntok in (threads + 1, 4096, 1 << 18):
         assert not _C.testing.dispatch_routes_all_tokens(ntok), ntok
+
+
+def test_dispatch_senders_prefetch_only_chunks_a_line_per_thread_covers():
+    # A sender block prefetches its chunk of input rows (a 128-byte line a
+    # thread) only where that covers the whole chunk: 64 KiB.
+    covered = _C.testing.gpu_block_threads * 128
+    for chunk_bytes in (0, 1, 14336, covered - 1, covered):
+        assert _C.testing.dispatch_prefetches_chunk(chunk_bytes), chunk_bytes
+    for chunk_bytes in (covered + 1, 32 * 14336, 1 << 40):
+        assert not _C.testing.dispatch_prefetches_chunk(chunk_bytes), chunk_bytes
+
+    # bench_kernels' rows on an H200, bf16: T = 8 and 128 prefetch, T = 4096 does not.
+    def chunk_bytes(ntok, hidden):
+        return _C.testing.ep_own_block_tokens(ntok, 1, H200_SMS) * hidden * 2
+
+    assert _C.testing.dispatch_prefetches_chunk(chunk_bytes(8, 4096))
+    assert _C.testing.dispatch_prefetches_chunk(chunk_bytes(128, 7168))
+    assert not _C.testing.dispatch_prefetches_chunk(chunk_bytes(4096, 7168))
 
 
 def test_expert_owner_counts_the_rank_runs_below_the_id():

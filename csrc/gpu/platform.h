@@ -296,7 +296,6 @@ RC_DEVICE V load_input(const V* p) {
 // A hint: fetch the 128-byte line at p into this multiprocessor's L1, where
 // a later load_input of it hits. No-op on HIP (gfx1201's vector memory has
 // no such prefetch).
-constexpr int kPrefetchLineBytes = 128;
 RC_DEVICE void prefetch_l1(const void* p) {
 #ifdef RC_HIP
   (void)p;
