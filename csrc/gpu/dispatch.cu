@@ -100,9 +100,8 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
   // A chunk that a line per thread covers whole is on its way to L1 while
   // the block routes it, so every warp's piece of it starts in L1. A larger
   // chunk is not prefetched (dispatch_prefetches_chunk): its first lines
-  // would serve only the warps whose pieces start there, while their
-  // traffic delays the routing loads that the tallies wait for
-  // (docs/performance.md, "v11").
+  // serve only the warps whose pieces start there, and prefetching them
+  // (or more) made large dispatches slower (docs/performance.md, "v11").
   const int64_t chunk_bytes = int64_t(t1 - t0) * in_row;
   if (dispatch_prefetches_chunk(chunk_bytes) && int64_t(tid) * kPrefetchLineBytes < chunk_bytes)
     prefetch_l1(x + t0 * in_row + int64_t(tid) * kPrefetchLineBytes);
