@@ -258,9 +258,8 @@ std::pair<at::Tensor, at::Tensor> Comm::all_reduce_rmsnorm(const at::Tensor& x,
   c.residual_out = static_cast<char*>(res_out.data_ptr());
   c.hidden = H;
   c.eps = float(eps);
-  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  c.vectorized = row_bytes % 16 == 0 && aligned(c.x) && aligned(c.residual) && aligned(c.weight) &&
-                 aligned(c.out) && aligned(c.residual_out);
+  c.vectorized = row_bytes % 16 == 0 && aligned16(c.x) && aligned16(c.residual) && aligned16(c.weight) &&
+                 aligned16(c.out) && aligned16(c.residual_out);
   rmsnorm_counts_[path] += 1;
   if (gpu && c.vectorized && rmsnorm_row_in_registers(H, elt)) rmsnorm_counts_[kRowInRegistersCount] += 1;
   if (path == kRmsNormAllReduceThenNorm) {
@@ -364,7 +363,7 @@ Dispatched Comm::dispatch_rows(const at::Tensor& x, const c10::optional<at::Tens
     // Rows the op quantises exist only in its output; and rows that start
     // off the 16-byte vectors of a fresh output would slow every row's copy.
     const int64_t row_bytes = cfg_.hidden * int64_t(rows.element_size());
-    const bool vectors_kept = row_bytes % 16 != 0 || reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0;
+    const bool vectors_kept = row_bytes % 16 != 0 || aligned16(rows.data_ptr());
     if ((!cfg_.fp8() || scales) && vectors_kept) {
       out.own_rows = rows;
       if (scales) out.own_scales = *scales;

@@ -264,7 +264,6 @@ class GpuComm final : public Comm {
     a.x_scales = x_scales ? x_scales->data_ptr<float>() : nullptr;
     a.fp8_pair = x_scales.has_value();
     a.out_scales = out.x_scales.defined() ? out.x_scales.data_ptr<float>() : nullptr;
-    auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
     a.fp8_vectors =
         cfg_.fp8() && cfg_.hidden % kFp8Block == 0 && aligned16(x.data_ptr()) && aligned16(out.x.data_ptr());
     a.topk_idx = topk_idx.data_ptr();
