@@ -2,7 +2,7 @@
 // each row to its destinations; receiver blocks take the peers' rows from the
 // heap, chunk by chunk, into the fresh outputs (for the expert layout, their
 // routing alone: the placement reads the peers' payload in the heap and,
-// unless the op quantises it, this rank's in x, the input; expert_layout.cu).
+// with own_rows_stay, this rank's in x, the input; expert_layout.cu).
 // A rank's own rows skip the heap.
 // Then every block writes its share of the padding rows' routing (-1 ids, 0
 // weights); the padding rows of x are left unwritten, so the work follows the

@@ -5,11 +5,11 @@
 // back to rank-layout rows (launch_expert_sum). Plain stream-ordered
 // kernels: they wait for no flag, so they need no co-residency; the GPU
 // transport's placement reads the rows where dispatch left them (heap_gen):
-// the peers' in its heap, this rank's own in dispatch's input (or, rows the
-// op quantised to FP8, in its rank-layout output). They go over
-// the rows received (the sum of counts, read on the device), not the
-// capacity: a decode step on a prefill-sized communicator pays for its own
-// rows.
+// the peers' in its heap, this rank's own in dispatch's input (or in its
+// rank-layout output: rows the op quantised to FP8, and rows of whole
+// 16-byte vectors in an input off 16-byte boundaries). They go over the rows
+// received (the sum of counts, read on the device), not the capacity: a
+// decode step on a prefill-sized communicator pays for its own rows.
 //
 // The rows are placed in three kernels, over chunks of kExpertChunkRows
 // received rows (protocol.h):

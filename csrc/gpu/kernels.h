@@ -64,8 +64,8 @@ struct DispatchArgs {
   // (none with own_rows_stay).
   bool peer_rows_stay;
   // And the sender writes only the routing of this rank's own rows (x's
-  // bytes, not quantised here): the placement reads them in x
-  // (ExpertLayoutArgs::own_x).
+  // bytes, not quantised here, where x keeps the rows' 16-byte vectors):
+  // the placement reads them in x (ExpertLayoutArgs::own_x).
   bool own_rows_stay;
   float* out_scales;        // FP8: [W*cap, fp8_scales]; else nullptr
   bool fp8_vectors;         // FP8: whole blocks (H % kFp8Block == 0), x and out_x 16-byte aligned
