@@ -44,6 +44,36 @@ RC_DEVICE uint32_t row_units(const Layout& L) {
   return uint32_t(L.hidden * (kMode == kRowsAsIs ? L.elt : 1) / int64_t(sizeof(V)));
 }
 
+// Bytes of a sender's input row: x's (FP8 pair: its q bytes).
+template <int kMode>
+RC_DEVICE int64_t input_row_bytes(const DispatchArgs& a, const Layout& L) {
+  if constexpr (kMode == kQuantizeFp8) return L.hidden * dtype_bytes(a.x_dtype);
+  return kMode == kFp8Pair ? L.hidden : L.hidden * L.elt;
+}
+
+// What sender block b reads of its inputs first, on its way to L1 while the
+// block waits for its generation (a round trip, which the routing's loads
+// would otherwise follow): the ids it routes (every token's where it routes
+// them all), its chunk's weights, and its chunk's rows where a line per
+// thread covers them whole (dispatch_prefetches_chunk: prefetching the start
+// of a larger chunk made large dispatches slower, docs/performance.md "v11").
+// Nothing for a receiver block (its range is empty).
+template <typename IdxT, int kMode>
+RC_DEVICE void prefetch_sender_inputs(const DispatchArgs& a, const Layout& L, const EpLaunch& lp, int b) {
+  const int64_t T = a.ntok, K = L.topk, t0 = b * lp.own_block_tokens;
+  const int64_t t1 = t0 + lp.own_block_tokens < T ? t0 + lp.own_block_tokens : T;
+  if (t1 <= t0) return;
+  const int64_t id_bytes = K * int64_t(sizeof(IdxT)), in_row = input_row_bytes<kMode>(a, L);
+  if (dispatch_routes_all_tokens(T)) prefetch_lines_l1(a.topk_idx, T * id_bytes);
+  else prefetch_lines_l1(static_cast<const char*>(a.topk_idx) + t0 * id_bytes, (t1 - t0) * id_bytes);
+  if (a.topk_weights) {
+    const int64_t w_bytes = K * dtype_bytes(a.weights_dtype);
+    prefetch_lines_l1(static_cast<const char*>(a.topk_weights) + t0 * w_bytes, (t1 - t0) * w_bytes);
+  }
+  if (dispatch_prefetches_chunk((t1 - t0) * in_row))
+    prefetch_lines_l1(static_cast<const char*>(a.x) + t0 * in_row, (t1 - t0) * in_row);
+}
+
 // Routing slots of a row per lane of its lead warp.
 constexpr int kSlotsPerLane = (kMaxTopk + kMinWarpSize - 1) / kMinWarpSize;
 
@@ -64,8 +94,7 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
   const int K = route.topk(), nblocks = lp.send_blocks;
   constexpr bool kFp8 = kMode != kRowsAsIs;
   // Bytes of an input row and of an output row (FP8: one per channel).
-  const int64_t H = L.hidden, S = L.fp8_scales;
-  const int64_t in_row = kMode == kQuantizeFp8 ? H * dtype_bytes(a.x_dtype) : (kFp8 ? H : H * L.elt);
+  const int64_t H = L.hidden, S = L.fp8_scales, in_row = input_row_bytes<kMode>(a, L);
   const int64_t payload = kFp8 ? H : H * L.elt;
   // Token indices fit 32 bits (kMaxGpuTokensPerRank): less state to keep.
   const int32_t T = int32_t(a.ntok), C = int32_t(lp.own_block_tokens);
@@ -96,15 +125,6 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
         if (d < W) sh.batch_pos[tid][d] = pos[d];
     }
   };
-
-  // A chunk that a line per thread covers whole is on its way to L1 while
-  // the block routes it, so every warp's piece of it starts in L1. A larger
-  // chunk is not prefetched (dispatch_prefetches_chunk): its first lines
-  // serve only the warps whose pieces start there, and prefetching them
-  // (or more) made large dispatches slower (docs/performance.md, "v11").
-  const int64_t chunk_bytes = int64_t(t1 - t0) * in_row;
-  if (dispatch_prefetches_chunk(chunk_bytes) && int64_t(tid) * kPrefetchLineBytes < chunk_bytes)
-    prefetch_l1(x + t0 * in_row + int64_t(tid) * kPrefetchLineBytes);
 
   if (tid < W) sh.run[tid] = 0;  // read after batch_positions' first barrier
   if (routes_all) {
@@ -220,15 +240,16 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
                          : L.dispatch_row(env.data[d], gen, me, row_index(d));
         };
         // Routing: each slot's id and weight are loaded once for every
-        // destination, by the row's lead warp, before the copy so the loads overlap.
+        // destination, by the row's lead warp, before the copy so the loads
+        // overlap (the weight as its bits: converting it here would wait).
         int64_t slot_id[kSlotsPerLane];
-        float slot_w[kSlotsPerLane];
+        uint32_t slot_w[kSlotsPerLane];
 #pragma unroll
         for (int i = 0; i < kSlotsPerLane; ++i) {
           const int k = int(s.first + i * s.stride);
           if (!s.lead || k >= K) continue;
           slot_id[i] = int64_t(route.idx[tok * K + k]);
-          slot_w[i] = a.topk_weights ? load_as_float(a.topk_weights, tok * K + k, a.weights_dtype) : 0.f;
+          slot_w[i] = a.topk_weights ? element_bits(a.topk_weights, tok * K + k, a.weights_dtype) : 0u;
         }
         // An FP8 row's scales: the output's own rows or the heap row's.
         auto scales_at = [&](int d) {
@@ -249,7 +270,7 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
           if (k >= K) continue;
           const int64_t e = slot_id[i];
           const int owner = expert_owner(e, a.num_experts, route.epr, W);
-          const float w = slot_w[i];
+          const float w = bits_as_float(slot_w[i], a.weights_dtype);
           for (uint32_t m = tm; m != 0; m &= m - 1) {
             const int d = lowest_bit(m);
             const int64_t id = owner == d ? e - d * route.epr : -1;
@@ -411,6 +432,7 @@ RC_DEVICE void dispatch_padding(const Env& env, const DispatchArgs& a, const Sou
 template <typename IdxT, int KF, typename V, int kMode>
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(Env env, DispatchArgs a, EpLaunch lp) {
   __shared__ DispatchShared sh;
+  prefetch_sender_inputs<IdxT, kMode>(a, env.layout, lp, blockIdx.x);
   const uint64_t gen = op_generation(env, kOpDispatch);
   bool have_headers;
   if (int(blockIdx.x) < lp.send_blocks) {

@@ -29,6 +29,14 @@ RC_DEVICE void with_vector(int vec, F&& f) {
 
 RC_DEVICE bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
+// The lines of [p, p + bytes) into this multiprocessor's L1 (prefetch_l1),
+// a line per thread of the block: at most kThreads lines from p's line on.
+RC_DEVICE void prefetch_lines_l1(const void* p, int64_t bytes) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(p), line = at & ~uintptr_t(kPrefetchLineBytes - 1);
+  const int64_t span = bytes + int64_t(at - line), off = int64_t(threadIdx.x) * kPrefetchLineBytes;
+  if (bytes > 0 && off < span) prefetch_l1(reinterpret_cast<const char*>(line + uintptr_t(off)));
+}
+
 // Rows [0, nrows) of nvec vectors each, copied by the whole block over the
 // flattened (row, vector) space: one row still keeps every thread busy, and
 // many rows keep kUnroll loads in flight per thread. src_of(r) is the source

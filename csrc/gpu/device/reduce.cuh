@@ -32,14 +32,20 @@ template <> struct Elem<DType::kF16> {
 };
 
 // Element i of p, of a dtype known only at run time, as fp32 (exact), and
-// an fp32 value stored as one (rounded to nearest even).
-RC_DEVICE float load_as_float(const void* p, int64_t i, DType t) {
+// an fp32 value stored as one (rounded to nearest even). The load and the
+// conversion are apart (element_bits, bits_as_float) so that a loop can
+// issue its loads before the branch on the dtype waits for the first of them.
+RC_DEVICE uint32_t element_bits(const void* p, int64_t i, DType t) {
+  return t == DType::kF32 ? static_cast<const uint32_t*>(p)[i] : uint32_t(static_cast<const uint16_t*>(p)[i]);
+}
+RC_DEVICE float bits_as_float(uint32_t bits, DType t) {
   switch (t) {
-    case DType::kF32: return static_cast<const float*>(p)[i];
-    case DType::kBF16: return bf16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
-    default: return f16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
+    case DType::kF32: return __uint_as_float(bits);
+    case DType::kBF16: return bf16_bits_to_float(uint16_t(bits));
+    default: return f16_bits_to_float(uint16_t(bits));
   }
 }
+RC_DEVICE float load_as_float(const void* p, int64_t i, DType t) { return bits_as_float(element_bits(p, i, t), t); }
 RC_DEVICE void store_from_float(void* p, int64_t i, DType t, float v) {
   switch (t) {
     case DType::kF32: static_cast<float*>(p)[i] = v; break;

@@ -21,6 +21,9 @@ struct EpLaunch {
   int32_t own_chunk_tokens, own_group;
 };
 
+// Ids a token's routing loads at once without the top-k fast path.
+constexpr int kIdGroup = 8;
+
 template <typename IdxT, int KF>
 struct Routing {
   const IdxT* idx;
@@ -28,20 +31,22 @@ struct Routing {
   int64_t num_experts, epr;
   int world;
   RC_DEVICE int topk() const { return KF > 0 ? KF : K; }
+  // A token's destinations. Its ids are loaded kIdGroup at a time (KF with
+  // the fast path), all of a group before the first is tested: the owner
+  // test branches (a loop over the ranks), and with the loads interleaved
+  // the compiler issued each after the test before it, so they waited for
+  // one another (the v11 kernels' SASS).
   RC_DEVICE uint32_t mask(int64_t t) const {
-    uint32_t m = 0;
+    constexpr int G = KF > 0 ? KF : kIdGroup;
     const IdxT* row = idx + t * topk();
-    if constexpr (KF > 0) {
-      // Top-k fast path: the slot count is a compile-time constant, so the
-      // loads are unrolled and all in flight at once.
+    uint32_t m = 0;
+    for (int k0 = 0; k0 < topk(); k0 += G) {
+      IdxT id[G];
 #pragma unroll
-      for (int k = 0; k < KF; ++k) {
-        const int o = expert_owner(int64_t(row[k]), num_experts, epr, world);
-        if (o >= 0) m |= 1u << o;
-      }
-    } else {
-      for (int k = 0; k < K; ++k) {
-        const int o = expert_owner(int64_t(row[k]), num_experts, epr, world);
+      for (int i = 0; i < G; ++i) id[i] = KF > 0 || k0 + i < K ? row[k0 + i] : IdxT(-1);
+#pragma unroll
+      for (int i = 0; i < G; ++i) {
+        const int o = expert_owner(int64_t(id[i]), num_experts, epr, world);
         if (o >= 0) m |= 1u << o;
       }
     }
