@@ -22,10 +22,6 @@
 
 namespace rdna4_comm {
 
-// p on a 16-byte boundary: where the GPU kernels' row loops can use their
-// widest vectors (with rows that are whole 16-byte vectors).
-inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 // Everything a communicator is made of: the heap's sizes (HeapConfig, what
 // the layout derives from) and the rest. Built once, with keywords, by the
 // Python Communicator (_C.CommConfig, which validates the values first) and

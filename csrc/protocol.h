@@ -139,7 +139,7 @@ constexpr int kGpuBlockThreads = 512;
 // round more. Both give every row the same position.
 RC_HD bool dispatch_routes_all_tokens(int64_t ntok) { return ntok <= kGpuBlockThreads; }
 
-// Dispatch senders prefetch their chunk of input rows into L1 while they
+// Dispatch senders prefetch their chunk of input rows into L1 before they
 // route it, a line of kPrefetchLineBytes a thread, only where that covers
 // the whole chunk (csrc/gpu/dispatch.cu says why).
 constexpr int64_t kPrefetchLineBytes = 128;

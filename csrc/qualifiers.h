@@ -2,7 +2,7 @@
 // sources: RC_HD for code that host, device and the CPU transport share
 // (protocol.h), RC_DEVICE for device-only helpers. Both are inline, so a
 // header's functions may appear in every translation unit that includes it.
-// Also the bit casts that shared code needs.
+// Also the bit casts and the alignment test that shared code needs.
 #pragma once
 
 #include <cstdint>
@@ -25,3 +25,7 @@ RC_HD float bits_float(uint32_t u) {
   __builtin_memcpy(&f, &u, sizeof(f));
   return f;
 }
+
+// p on a 16-byte boundary: where the GPU kernels' row loops can use their
+// widest vectors (with rows that are whole 16-byte vectors).
+RC_HD bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }

@@ -294,8 +294,8 @@ RC_DEVICE V load_input(const V* p) {
 }
 
 // A hint: fetch the 128-byte line at p into this multiprocessor's L1, where
-// a later load_input of it hits. No-op on HIP (gfx1201's vector memory has
-// no such prefetch).
+// a later load of it (load_input's too) hits. No-op on HIP (gfx1201's
+// vector memory has no such prefetch).
 RC_DEVICE void prefetch_l1(const void* p) {
 #ifdef RC_HIP
   (void)p;

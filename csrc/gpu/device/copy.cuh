@@ -27,8 +27,6 @@ RC_DEVICE void with_vector(int vec, F&& f) {
   }
 }
 
-RC_DEVICE bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-
 // The lines of [p, p + bytes) into this multiprocessor's L1 (prefetch_l1),
 // a line per thread of the block: at most kThreads lines from p's line on.
 RC_DEVICE void prefetch_lines_l1(const void* p, int64_t bytes) {
