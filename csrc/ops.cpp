@@ -508,6 +508,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   testing.def("ep_own_block_tokens", &ep_own_block_tokens, py::arg("ntok"), py::arg("world"), py::arg("sm_count"));
   testing.def("dispatch_routes_all_tokens", &dispatch_routes_all_tokens, py::arg("ntok"));
   testing.def("dispatch_prefetches_chunk", &dispatch_prefetches_chunk, py::arg("chunk_bytes"));
+  testing.def("combine_sums_short", &combine_sums_short, py::arg("block_tokens"), py::arg("row_vectors"));
+  testing.attr("gpu_short_unroll") = kGpuShortUnroll;
   testing.attr("gpu_block_threads") = kGpuBlockThreads;
   testing.def("expert_owner", &expert_owner, py::arg("e"), py::arg("num_experts"), py::arg("experts_per_rank"),
               py::arg("world"));

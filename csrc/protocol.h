@@ -147,6 +147,20 @@ RC_HD bool dispatch_prefetches_chunk(int64_t chunk_bytes) {
   return chunk_bytes <= int64_t(kGpuBlockThreads) * kPrefetchLineBytes;
 }
 
+// The EP kernels' row loops keep 8 vectors a lane in flight; a span of at
+// most kGpuShortUnroll vectors a lane (a small batch's rows) takes a loop
+// unrolled that far instead, which issues a fraction of the code (at T = 8
+// every warp of a block runs the loop body once, and the body is what the
+// warps wait for). A copy picks its loop per span (csrc/gpu/device/rows.cuh);
+// combine's receivers sum with one loop per kernel, the short one where no
+// lane of a launch can have more (combine_sums_short): both loops in one
+// kernel spill its registers. A receiver block sums at most block_tokens
+// rows of row_vectors vectors at once, a block's share of them a lane.
+constexpr int kGpuShortUnroll = 2;
+RC_HD bool combine_sums_short(int64_t block_tokens, int64_t row_vectors) {
+  return ceil_div(block_tokens * row_vectors, kGpuBlockThreads) <= kGpuShortUnroll;
+}
+
 // all_reduce algorithm predicate. One-shot: every rank pushes its whole
 // input to every peer and sums locally (one barrier, (W-1)*N bytes out per
 // rank). Two-shot: reduce-scatter then all-gather (two barriers,

@@ -98,6 +98,25 @@ def test_dispatch_senders_prefetch_only_chunks_a_line_per_thread_covers():
     assert not _C.testing.dispatch_prefetches_chunk(chunk_bytes(4096, 7168))
 
 
+def test_combine_sums_with_the_short_loop_only_where_no_lane_has_more_vectors():
+    # A receiver block sums at most its block's tokens at once, its rows' vectors
+    # shared by the block's threads; the short loop keeps 2 a lane in flight.
+    threads, short = _C.testing.gpu_block_threads, _C.testing.gpu_short_unroll
+    assert short == 2
+    for tokens, vectors in ((1, 1), (1, threads), (1, short * threads), (2, threads), (short * threads, 1), (0, 0)):
+        assert _C.testing.combine_sums_short(tokens, vectors), (tokens, vectors)
+    for tokens, vectors in ((1, short * threads + 1), (3, threads), (short * threads + 1, 1), (32, 896)):
+        assert not _C.testing.combine_sums_short(tokens, vectors), (tokens, vectors)
+
+    # bench_kernels' rows on an H200, bf16 rows of 16-byte vectors (H / 8 of them):
+    # T = 8 and T = 128 (a token a block) sum short, T = 4096 (32 a block) does not.
+    def short_at(ntok, hidden):
+        return _C.testing.combine_sums_short(_C.testing.ep_own_block_tokens(ntok, 1, H200_SMS), hidden // 8)
+
+    assert short_at(8, 4096) and short_at(8, 7168) and short_at(128, 7168)
+    assert not short_at(4096, 7168)
+
+
 def test_expert_owner_counts_the_rank_runs_below_the_id():
     for world in (1, 2, 3, 8, 32):
         epr = 5

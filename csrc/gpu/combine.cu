@@ -1,6 +1,8 @@
 // combine: sender blocks return every received row to its source's inbox;
 // receiver blocks sum this rank's tokens over their destination ranks, own
 // contributions straight from y.
+#include <type_traits>
+
 #include "device/rows.cuh"
 #include "device/routing.cuh"
 #include "device/sync.cuh"
@@ -179,21 +181,34 @@ RC_DEVICE OwnRange own_range(int64_t T, const EpLaunch& lp, int j) {
   return {t0, t1, C, first_end, G};
 }
 
-// What a receiver thread reads first, before the handle's counts arrive, so
-// the loads overlap: its share of the own-rank bits in send_mask before the
-// block's range (strided), and its token's mask in the first batch.
-struct ReceiverStart {
-  int32_t own_before = 0;
-  uint32_t first_mask = 0;
+// A block's first reads, all issued before any is used: each used at once,
+// they waited for one another (the generation, then send_mask, then the
+// handle's counts, a round trip each). A receiver's token's mask in the
+// first batch and the first word of its strided share of send_mask before
+// its range; thread s < W: the handle's counts of source s.
+struct FirstReads {
+  uint32_t first_mask, before;
+  int32_t src_tokens, counts;
 };
-RC_DEVICE ReceiverStart receiver_start(const Env& env, const CombineArgs& a, const OwnRange& r) {
-  ReceiverStart st;
+RC_DEVICE FirstReads first_reads(const Env& env, const CombineArgs& a, const OwnRange& r, bool receiver) {
+  const int tid = threadIdx.x;
+  const int32_t t = r.t0 + tid;
+  FirstReads f;
+  f.first_mask = receiver && t < r.first_end ? uint32_t(a.send_mask[t]) : 0u;
+  f.before = receiver && tid < r.t0 ? uint32_t(a.send_mask[tid]) : 0u;
+  f.src_tokens = tid < env.world ? a.src_tokens[tid] : 0;
+  f.counts = tid < env.world ? a.counts[tid] : 0;
+  return f;
+}
+
+// A receiver thread's share of the own-rank bits in send_mask before the
+// block's range (strided; its first word is FirstReads::before).
+RC_DEVICE int32_t own_rows_before(const Env& env, const CombineArgs& a, const OwnRange& r, uint32_t first_word) {
   const int32_t nt = kThreads;
+  int32_t n = int32_t(first_word >> env.rank & 1u);
 #pragma unroll 4
-  for (int32_t t = threadIdx.x; t < r.t0; t += nt) st.own_before += int32_t(uint32_t(a.send_mask[t]) >> env.rank & 1u);
-  const int32_t t = r.t0 + int32_t(threadIdx.x);
-  if (t < r.first_end) st.first_mask = uint32_t(a.send_mask[t]);
-  return st;
+  for (int32_t t = threadIdx.x + nt; t < r.t0; t += nt) n += int32_t(uint32_t(a.send_mask[t]) >> env.rank & 1u);
+  return n;
 }
 
 // Each token's output: its rows from every destination rank, summed in
@@ -207,9 +222,9 @@ RC_DEVICE ReceiverStart receiver_start(const Env& env, const CombineArgs& a, con
 // flag from peer r, then the group's tokens in the range are summed in
 // batches of a block.
 static_assert(kMaxGpuWorld * kMaxGroup <= kThreads, "combine waiters fit a block");
-template <DType D>
+template <DType D, int kSumUnroll>
 RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineShared& sh, uint64_t gen,
-                                const OwnRange& range, const ReceiverStart& start, int vec) {
+                                const OwnRange& range, const FirstReads& first, int vec) {
   const Layout& L = env.layout;
   const int me = env.rank, W = env.world, tid = threadIdx.x;
   const int32_t t0 = range.t0, t1 = range.t1, C = range.chunk_tokens, nt = kThreads;
@@ -220,7 +235,7 @@ RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineSha
   const char* y = static_cast<const char*>(a.y);
   char* out = static_cast<char*>(a.out);
   const int32_t own_base = sh.src.offset[me];
-  const int32_t before = warp_sum(start.own_before);
+  const int32_t before = warp_sum(own_rows_before(env, a, range, first.before));
   if (lane_id() == 0 && before != 0) atomicAdd(&sh.run[0], before);  // read after the next barriers
   // A rank with no tokens still has chunk 0 (ep_chunks), and its one
   // receiver block waits for it from every peer: every combine sees each
@@ -238,7 +253,7 @@ RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineSha
     for (int32_t b0 = b_begin; b0 < b_end; b0 += nt) {
       const int32_t t = b0 + tid;
       uint32_t m = 0;
-      if (t < b_end) m = b0 == t0 ? start.first_mask : uint32_t(a.send_mask[t]);
+      if (t < b_end) m = b0 == t0 ? first.first_mask : uint32_t(a.send_mask[t]);
       if (m & ~all_ranks(env)) record_error(env, encode_bad_handle(kHandleSendMask, t, int32_t(m)));
       m &= all_ranks(env);
       int32_t pos[kMaxGpuWorld];
@@ -254,7 +269,7 @@ RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineSha
           return rr == me ? y + own_row * payload : L.combine_row(env.data[me], gen, rr, tok);
         };
         with_row_vector<D>(vec, [&](auto tag) {
-          sum_row<D, typename decltype(tag)::type>(row_of, sh.batch_mask[i], out + tok * payload, s);
+          sum_row<D, typename decltype(tag)::type, 1, kSumUnroll>(row_of, sh.batch_mask[i], out + tok * payload, s);
         });
       });
       block_sync();
@@ -262,19 +277,20 @@ RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineSha
   }
 }
 
-// One kernel per dtype: the receivers' sum loop takes the registers that one
+// One kernel per dtype and sum loop (kRowUnroll, or kShortUnroll where
+// combine_sums_short): the receivers' sum loop takes the registers that one
 // dtype's loop leaves, not the most of three.
-template <DType D>
+template <DType D, int kSumUnroll>
 __global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs a, EpLaunch lp) {
   __shared__ CombineShared sh;
-  const uint64_t gen = op_generation(env, kOpCombine);
   const bool receiver = int(blockIdx.x) >= lp.send_blocks;
   const OwnRange range = own_range(a.ntok, lp, int(blockIdx.x) - lp.send_blocks);
-  const ReceiverStart start = receiver ? receiver_start(env, a, range) : ReceiverStart{};
+  const FirstReads first = first_reads(env, a, range, receiver);
+  const uint64_t gen = op_generation(env, kOpCombine);
   if (threadIdx.x == 0) sh.run[0] = 0;
   const bool counts_ok = load_sources(env, sh.src, [&](int s, int64_t* ntok, int64_t* nrows, int64_t* chunk_tokens) {
-    *ntok = a.src_tokens[s];
-    *nrows = a.counts[s];
+    *ntok = first.src_tokens;  // load_sources calls this on thread s for source s
+    *nrows = first.counts;
     *chunk_tokens = ep_chunk_tokens(*ntok);
     return handle_counts_ok(env, a, s, *nrows, *ntok);
   });
@@ -295,7 +311,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs 
   if (!receiver) {
     combine_sender(env, a, sh, gen, blockIdx.x, lp.send_blocks, lp.vec);
   } else if (counts_ok) {
-    combine_receiver<D>(env, a, sh, gen, range, start, lp.vec);
+    combine_receiver<D, kSumUnroll>(env, a, sh, gen, range, first, lp.vec);
   }
   finish_op(env, kOpCombine, gen);
 }
@@ -308,10 +324,18 @@ void launch_combine(const Env& env, const CombineArgs& a, Stream s) {
   const EpLaunch lp{ep_own_block_tokens(a.ntok, env.world, env.sm_count), 0, g.send_blocks,
                     row_vector(env.layout.hidden * env.layout.elt, {a.y, a.out}), int32_t(C), group_size(C)};
   const int blocks = g.send_blocks + g.recv_blocks;
+  // The sum loop's vectors of a row (with_row_vector): 16 bytes, else elements.
+  const int64_t payload = env.layout.hidden * env.layout.elt;
+  const bool short_sums = combine_sums_short(lp.own_block_tokens, lp.vec == 16 ? payload / 16 : env.layout.hidden);
+  auto go = [&](auto dtype) {
+    constexpr DType D = decltype(dtype)::value;
+    if (short_sums) launch("combine", combine_kernel<D, kShortUnroll>, blocks, s, env, a, lp);
+    else launch("combine", combine_kernel<D, kRowUnroll>, blocks, s, env, a, lp);
+  };
   switch (a.dtype) {
-    case DType::kF32: launch("combine", combine_kernel<DType::kF32>, blocks, s, env, a, lp); break;
-    case DType::kBF16: launch("combine", combine_kernel<DType::kBF16>, blocks, s, env, a, lp); break;
-    default: launch("combine", combine_kernel<DType::kF16>, blocks, s, env, a, lp); break;
+    case DType::kF32: go(std::integral_constant<DType, DType::kF32>{}); break;
+    case DType::kBF16: go(std::integral_constant<DType, DType::kBF16>{}); break;
+    default: go(std::integral_constant<DType, DType::kF16>{}); break;
   }
 }
 

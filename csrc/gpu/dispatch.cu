@@ -184,7 +184,8 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
     head->ntok = uint32_t(T);
     head->nrows = uint32_t(sh.chunk_end[tid]);
     head->chunk_tokens = uint32_t(C);
-    store_release_sys(&head->gen, gen);
+    if (tid == me) store_release_device(&head->gen, gen);  // read by this GPU's blocks alone
+    else store_release_sys(&head->gen, gen);
   }
 
   // This rank's own rows skip the heap: they go straight to the output (their
@@ -410,21 +411,21 @@ RC_DEVICE bool dispatch_receiver(const Env& env, const DispatchArgs& a, Dispatch
   return true;
 }
 
-// Padding rows [received, W*cap), a contiguous share per block of the grid:
-// -1 ids, 0 weights, -1 source. Their x is not written (unspecified).
+// Padding rows [received, W*cap), a block's worth of elements at a time
+// over the grid (a contiguous share per block takes a division by the
+// grid's size, a long instruction sequence, on every call): -1 ids, 0
+// weights, -1 source. Their x is not written (unspecified).
 template <typename IdxT>
 RC_DEVICE void dispatch_padding(const Env& env, const DispatchArgs& a, const Sources& src) {
   // 32-bit: W * cap * K < 2^27 (kMaxGpuWorld, kMaxGpuTokensPerRank, kMaxTopk).
-  const int32_t K = int32_t(env.layout.topk), rows = env.world * int32_t(env.layout.cap), nb = gridDim.x;
-  const int32_t pad0 = src.offset[env.world], per = (rows - pad0 + nb - 1) / nb;
-  const int32_t p0 = pad0 + int32_t(blockIdx.x) * per, p1 = p0 + per < rows ? p0 + per : rows;
-  if (p1 <= p0) return;
+  const int32_t K = int32_t(env.layout.topk), rows = env.world * int32_t(env.layout.cap), pad0 = src.offset[env.world];
+  const int32_t step = int32_t(gridDim.x) * kThreads, first = int32_t(blockIdx.x) * kThreads + int32_t(threadIdx.x);
   IdxT* out_idx = static_cast<IdxT*>(a.out_idx);
-  for (int32_t i = p0 * K + threadIdx.x; i < p1 * K; i += kThreads) {
+  for (int32_t i = pad0 * K + first; i < rows * K; i += step) {
     out_idx[i] = IdxT(-1);
     if (a.out_weights) store_from_float(a.out_weights, i, a.weights_dtype, 0.f);
   }
-  for (int32_t r = p0 + threadIdx.x; r < p1; r += kThreads) a.out_recv_src[r] = -1;
+  for (int32_t r = pad0 + first; r < rows; r += step) a.out_recv_src[r] = -1;
 }
 
 // One kernel per (id type, top-k fast path, row vector, payload mode): each

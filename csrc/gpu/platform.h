@@ -141,6 +141,17 @@ RC_DEVICE void store_release_sys(uint64_t* p, uint64_t v) {
 #endif
 }
 
+// Publish to this GPU's blocks alone (a flag no other agent reads): the
+// same order as store_release_sys, without waiting for the stores to reach
+// the rest of the system.
+RC_DEVICE void store_release_device(uint64_t* p, uint64_t v) {
+#ifdef RC_HIP
+  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_AGENT);
+#else
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+#endif
+}
+
 // Observe a flag; loads after it see everything published before it.
 RC_DEVICE uint64_t load_acquire_sys(const uint64_t* p) {
 #ifdef RC_HIP

@@ -15,13 +15,12 @@ namespace rdna4_comm {
 namespace gpu {
 
 // Vectors in flight per thread in a row copy or sum (a sum's fp32
-// accumulators fit beside them: one combine kernel per dtype). A copy's
-// span of at most kShortUnroll vectors per lane (a small batch's rows) takes
-// a loop unrolled that far instead: the unrolled body is code every warp
-// fetches cold at each launch, and a short span would fetch 8 vectors' worth
-// of it. (Sums keep kRowUnroll: a second sum loop spills the combine kernels.)
+// accumulators fit beside them: one combine kernel per dtype). A span of at
+// most kShortUnroll vectors per lane (a small batch's rows) takes a loop
+// unrolled that far instead (protocol.h, at kGpuShortUnroll, says why): a
+// copy picks per span, a sum per kernel (sum_row's kUnroll).
 constexpr int kRowUnroll = 8;
-constexpr int kShortUnroll = 2;
+constexpr int kShortUnroll = kGpuShortUnroll;
 
 // This thread's vectors of one row: first, first + stride, ... below end.
 // `lead`: the warp's piece starts the row, so this warp also writes the
@@ -31,22 +30,35 @@ struct RowSpan {
   bool lead;
 };
 
+// This warp's piece of a batch of rows * n vectors, taken row after row:
+// rows r..r_last, from vector v0 of the first to v_last (exclusive) of the
+// last; none where r > r_last. Each piece is a whole number of warp widths
+// long (the last one shorter). A batch stays below 2^32 vectors (at most
+// 2^11 rows of a combine chunk, 2^21 row bytes): 32-bit indices keep the
+// state that lives across the row loops small.
+struct RowPieces {
+  uint32_t r, v0, r_last, v_last;
+};
+RC_DEVICE RowPieces row_pieces(uint32_t rows, uint32_t n) {
+  // kThreads, not blockDim.x: a division by a constant is a shift.
+  const uint32_t ws = uint32_t(warp_size()), total = rows * n;
+  const uint32_t per = (total + kThreads - 1) / kThreads * ws;
+  const uint32_t lo = threadIdx.x / ws * per;
+  if (lo >= total) return {1, 0, 0, 0};
+  const uint32_t hi = lo + per < total ? lo + per : total;
+  const uint32_t r = lo / n, r_last = (hi - 1) / n;
+  return {r, lo - r * n, r_last, hi - r_last * n};
+}
+
 // Calls piece(r, span) for every row r of [0, rows) that this warp's piece
-// of the rows * n vectors touches, in ascending order. Each piece is a
-// whole number of warp widths long (the last one shorter). A batch stays
-// below 2^32 vectors (at most 2^11 rows of a combine chunk, 2^21 row
-// bytes): 32-bit indices keep the state that lives across the row loops small.
+// (row_pieces) touches, in ascending order.
 template <typename Piece>
 RC_DEVICE void for_row_pieces(uint32_t rows, uint32_t n, Piece piece) {
-  const uint32_t ws = uint32_t(warp_size()), nw = blockDim.x / ws, total = rows * n;
-  const uint32_t per = (total + nw * ws - 1) / (nw * ws) * ws;
-  const uint32_t lo = threadIdx.x / ws * per;
-  if (lo >= total) return;
-  // The piece: rows r..r_last, from vector v0 of the first to v_last of the last.
-  const uint32_t hi = lo + per < total ? lo + per : total;
-  const uint32_t r_last = (hi - 1) / n, v_last = hi - r_last * n, lane = uint32_t(lane_id());
-  uint32_t r = lo / n, v0 = lo - r * n;
-  for (; r <= r_last; ++r, v0 = 0) piece(r, RowSpan{v0 + lane, ws, r == r_last ? v_last : n, v0 == 0});
+  const RowPieces p = row_pieces(rows, n);
+  const uint32_t ws = uint32_t(warp_size()), lane = uint32_t(lane_id());
+  uint32_t v0 = p.v0;
+  for (uint32_t r = p.r; r <= p.r_last; ++r, v0 = 0)
+    piece(r, RowSpan{v0 + lane, ws, r == p.r_last ? p.v_last : n, v0 == 0});
 }
 
 // A row's vectors of span `s` from src to row_of(d), for every d in `mask`
@@ -104,16 +116,16 @@ RC_DEVICE void copy_scales(const float* src, int64_t n, ScalesOf scales_of, Mask
 // reference round alike. The terms are taken one set bit at a time and each
 // row's pointer computed when it is read, so the loop is as long as the
 // mask, not the largest world. kTerms terms are loaded before any of them
-// is added, kRowUnroll / kTerms vectors of each: a sum of many terms (an
+// is added, kUnroll / kTerms vectors of each: a sum of many terms (an
 // expert-layout row's pairs) waits for memory once per kTerms terms, not
 // once per term (8 pair rows summed one at a time took 8.3 us for a decode
 // step's 8 rows on an H200).
-template <DType D, typename V, int kTerms = 1, typename RowOf, typename Mask>
+template <DType D, typename V, int kTerms = 1, int kUnroll = kRowUnroll, typename RowOf, typename Mask>
 RC_DEVICE void sum_row(RowOf row_of, Mask mask, char* out, const RowSpan& s) {
   using E = Elem<D>;
   using Pack = ElemPack<D, V>;
-  constexpr int N = Pack::N, U = kRowUnroll / kTerms;
-  static_assert(U * kTerms == kRowUnroll, "kTerms divides the vectors in flight");
+  constexpr int N = Pack::N, U = kUnroll / kTerms;
+  static_assert(U * kTerms == kUnroll, "kTerms divides the vectors in flight");
   V* o = reinterpret_cast<V*>(out);
   for (uint32_t v0 = s.first; v0 < s.end; v0 += s.stride * U) {
     float acc[U][N];

@@ -14,7 +14,11 @@
 //     then the generation with store_release_sys. A release is cumulative
 //     (PTX and the HSA model HIP follows): every store that happens before
 //     it, the block's through the barrier and the metadata in program order,
-//     is visible to every agent of the system before the flag is.
+//     is visible to every agent of the system before the flag is. A flag
+//     in this rank's own memory that only this GPU's blocks read (its own
+//     dispatch header) takes store_release_device: a system-scope release
+//     waits for the thread's stores to reach every agent, and the thread's
+//     warp with it.
 // Observation: one thread polls the flag with load_acquire_sys (wait_flag);
 // its later loads see everything released before the flag, and a block
 // barrier (block_all) hands that to the whole block.
