@@ -51,6 +51,17 @@ RC_DEVICE int64_t input_row_bytes(const DispatchArgs& a, const Layout& L) {
   return kMode == kFp8Pair ? L.hidden : L.hidden * L.elt;
 }
 
+// Sender block b's tokens [t0, t1), ep_own_block_tokens of them (none for
+// a receiver block). Token indices fit 32 bits (kMaxGpuTokensPerRank): less
+// state to keep.
+struct TokenRange {
+  int32_t t0, t1;
+};
+RC_DEVICE TokenRange sender_tokens(const DispatchArgs& a, const EpLaunch& lp, int b) {
+  const int32_t T = int32_t(a.ntok), C = int32_t(lp.own_block_tokens), t0 = b * C;
+  return {t0, t0 + C < T ? t0 + C : T};
+}
+
 // What sender block b reads of its inputs first, on its way to L1 while the
 // block waits for its generation (a round trip, which the routing's loads
 // would otherwise follow): the ids it routes (every token's where it routes
@@ -60,8 +71,8 @@ RC_DEVICE int64_t input_row_bytes(const DispatchArgs& a, const Layout& L) {
 // Nothing for a receiver block (its range is empty).
 template <typename IdxT, int kMode>
 RC_DEVICE void prefetch_sender_inputs(const DispatchArgs& a, const Layout& L, const EpLaunch& lp, int b) {
-  const int64_t T = a.ntok, K = L.topk, t0 = b * lp.own_block_tokens;
-  const int64_t t1 = t0 + lp.own_block_tokens < T ? t0 + lp.own_block_tokens : T;
+  const TokenRange range = sender_tokens(a, lp, b);
+  const int64_t T = a.ntok, K = L.topk, t0 = range.t0, t1 = range.t1;
   if (t1 <= t0) return;
   const int64_t id_bytes = K * int64_t(sizeof(IdxT)), in_row = input_row_bytes<kMode>(a, L);
   if (dispatch_routes_all_tokens(T)) prefetch_lines_l1(a.topk_idx, T * id_bytes);
@@ -96,9 +107,9 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
   // Bytes of an input row and of an output row (FP8: one per channel).
   const int64_t H = L.hidden, S = L.fp8_scales, in_row = input_row_bytes<kMode>(a, L);
   const int64_t payload = kFp8 ? H : H * L.elt;
-  // Token indices fit 32 bits (kMaxGpuTokensPerRank): less state to keep.
   const int32_t T = int32_t(a.ntok), C = int32_t(lp.own_block_tokens);
-  const int32_t t0 = b * C, t1 = t0 + C < T ? t0 + C : T;
+  const TokenRange range = sender_tokens(a, lp, b);
+  const int32_t t0 = range.t0, t1 = range.t1;
   const uint32_t nvec = row_units<kMode, V>(L);
   const char* x = static_cast<const char*>(a.x);
   char* out_x = static_cast<char*>(a.out_x);
