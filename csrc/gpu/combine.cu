@@ -164,21 +164,28 @@ RC_DEVICE void combine_sender(const Env& env, const CombineArgs& a, CombineShare
 }
 
 // A receiver block's tokens: the range [t0, t1) (ep_own_block_tokens each),
-// taken a group of combine chunks (chunk_tokens each) at a time and within a
-// group a batch of at most a block of tokens at a time; first_end ends the
-// first batch. Token indices fit 32 bits (kMaxGpuTokensPerRank), which
-// keeps the state that lives across the sums small.
+// taken a group of combine chunks (chunk_tokens each) at a time, chunks
+// [c0, c_end), and within a group a batch of at most a block of tokens at a
+// time; first_end ends the first batch. Thread (waiter_g, waiter_r) waits
+// for chunk waiter_g of a group from peer waiter_r. Token indices fit 32
+// bits (kMaxGpuTokensPerRank), which keeps the state that lives across the
+// sums small. Computed before the block waits for anything: each division
+// by a run-time value is a long instruction sequence.
 struct OwnRange {
-  int32_t t0, t1, chunk_tokens, first_end, group;
+  int32_t t0, t1, chunk_tokens, first_end, group, c0, c_end;
+  int waiter_g, waiter_r;
 };
-RC_DEVICE OwnRange own_range(int64_t T, const EpLaunch& lp, int j) {
+RC_DEVICE OwnRange own_range(const Env& env, int64_t T, const EpLaunch& lp, int j) {
   const int32_t C = lp.own_chunk_tokens, G = lp.own_group, per = int32_t(lp.own_block_tokens);
   const int32_t t0 = j * per, t1 = t0 + per < int32_t(T) ? t0 + per : int32_t(T);
-  const int32_t group_end = (t0 / C + G) * C;
+  const int32_t c0 = t0 / C, group_end = (c0 + G) * C;
   int32_t first_end = t0 + kThreads;
   first_end = first_end < group_end ? first_end : group_end;
   first_end = first_end < t1 ? first_end : t1;
-  return {t0, t1, C, first_end, G};
+  // A rank with no tokens still has chunk 0 (ep_chunks): see combine_receiver.
+  const int32_t c_end = t1 > t0 ? (t1 - 1) / C + 1 : 1;
+  const int g = int(threadIdx.x) / env.world;
+  return {t0, t1, C, first_end, G, c0, c_end, g, int(threadIdx.x) - g * env.world};
 }
 
 // A block's first reads, all issued before any is used: each used at once,
@@ -224,7 +231,8 @@ RC_DEVICE int32_t own_rows_before(const Env& env, const CombineArgs& a, const Ow
 static_assert(kMaxGpuWorld * kMaxGroup <= kThreads, "combine waiters fit a block");
 template <DType D, int kSumUnroll>
 RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineShared& sh, uint64_t gen,
-                                const OwnRange& range, const FirstReads& first, int vec) {
+                                const OwnRange& range, const FirstReads& first, const RowPieces& first_pieces,
+                                int vec) {
   const Layout& L = env.layout;
   const int me = env.rank, W = env.world, tid = threadIdx.x;
   const int32_t t0 = range.t0, t1 = range.t1, C = range.chunk_tokens, nt = kThreads;
@@ -242,10 +250,10 @@ RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineSha
   // peer publish this generation, which the inbox's parity needs (layout.h).
   // Without that wait, such a rank could run two combines ahead and
   // overwrite rows that a slow peer has yet to read.
-  const int32_t c_end = t1 > t0 ? (t1 - 1) / C + 1 : 1;
-  for (int32_t g0 = t0 / C; g0 < c_end; g0 += G) {
+  const int32_t c_end = range.c_end;
+  for (int32_t g0 = range.c0; g0 < c_end; g0 += G) {
     const int32_t g1 = g0 + G < c_end ? g0 + G : c_end;
-    const int g = tid / W, r = tid - g * W;
+    const int g = range.waiter_g, r = range.waiter_r;
     bool ok = true;
     if (g0 + g < g1 && r != me) ok = wait_flag(env, L.combine_flag(env.sig[me], gen, r, g0 + g), gen, kOpCombine, r);
     if (!block_all(ok)) return;
@@ -263,7 +271,8 @@ RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineSha
       sh.own_row[tid] = own_base + pos[0] < rows ? own_base + pos[0] : rows - 1;
       block_sync();
       const int32_t batch = b_end - b0 < nt ? b_end - b0 : nt;
-      for_row_pieces(batch, nsum, [&](uint32_t i, const RowSpan& s) {
+      const RowPieces pieces = b0 == t0 ? first_pieces : row_pieces(uint32_t(batch), nsum);
+      for_row_pieces(pieces, nsum, [&](uint32_t i, const RowSpan& s) {
         const int64_t tok = b0 + int32_t(i), own_row = sh.own_row[i];
         auto row_of = [&](int rr) {
           return rr == me ? y + own_row * payload : L.combine_row(env.data[me], gen, rr, tok);
@@ -284,9 +293,12 @@ template <DType D, int kSumUnroll>
 __global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs a, EpLaunch lp) {
   __shared__ CombineShared sh;
   const bool receiver = int(blockIdx.x) >= lp.send_blocks;
-  const OwnRange range = own_range(a.ntok, lp, int(blockIdx.x) - lp.send_blocks);
+  const OwnRange range = own_range(env, a.ntok, lp, int(blockIdx.x) - lp.send_blocks);
   const FirstReads first = first_reads(env, a, range, receiver);
   const uint64_t gen = op_generation(env, kOpCombine);
+  // The first batch's piece of the sums (row_pieces), while the loads are in flight.
+  const int32_t first_rows = receiver && range.first_end > range.t0 ? range.first_end - range.t0 : 0;
+  const RowPieces pieces = row_pieces(uint32_t(first_rows), row_vectors<D>(env.layout.hidden * env.layout.elt, lp.vec));
   if (threadIdx.x == 0) sh.run[0] = 0;
   const bool counts_ok = load_sources(env, sh.src, [&](int s, int64_t* ntok, int64_t* nrows, int64_t* chunk_tokens) {
     *ntok = first.src_tokens;  // load_sources calls this on thread s for source s
@@ -311,7 +323,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs 
   if (!receiver) {
     combine_sender(env, a, sh, gen, blockIdx.x, lp.send_blocks, lp.vec);
   } else if (counts_ok) {
-    combine_receiver<D, kSumUnroll>(env, a, sh, gen, range, first, lp.vec);
+    combine_receiver<D, kSumUnroll>(env, a, sh, gen, range, first, pieces, lp.vec);
   }
   finish_op(env, kOpCombine, gen);
 }

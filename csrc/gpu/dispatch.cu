@@ -331,23 +331,11 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
 }
 
 // Every source's header, once it has arrived, into sh.src (thread s reads
-// the counts of the header it acquired). A sender block that routed every
-// token (dispatch_routes_all_tokens) knows what its own rank's header says,
-// the totals in sh.run, and waits for the peers' alone. False on a timeout.
-struct OwnHeader {
-  bool known;
-  int64_t ntok, chunk_tokens;
-};
-RC_DEVICE bool load_headers(const Env& env, DispatchShared& sh, uint64_t gen, OwnHeader own) {
+// the counts of the header it acquired). False on a timeout.
+RC_DEVICE bool load_headers(const Env& env, DispatchShared& sh, uint64_t gen) {
   const Layout& L = env.layout;
   const int me = env.rank;
   return load_sources(env, sh.src, [&](int s, int64_t* ntok, int64_t* nrows, int64_t* chunk_tokens) {
-    if (own.known && s == me) {
-      *ntok = own.ntok;
-      *nrows = sh.run[me];
-      *chunk_tokens = own.chunk_tokens;
-      return true;
-    }
     const HeadSlot* head = L.dispatch_head(env.sig[me], gen, s);
     if (!wait_flag(env, &head->gen, gen, kOpDispatch, s)) return false;
     *ntok = head->ntok;
@@ -355,6 +343,30 @@ RC_DEVICE bool load_headers(const Env& env, DispatchShared& sh, uint64_t gen, Ow
     *chunk_tokens = head->chunk_tokens;
     return true;
   });
+}
+
+// The rows this rank receives in all, where its padding starts, found by
+// each warp of a sender block itself (a sender needs no more of the
+// headers): lane s < W takes source s's row count from its header (this
+// rank's own from sh.run where the block routed every token), and a warp
+// sum adds them up, with no block barrier. False, on the whole warp, when a
+// wait failed.
+RC_DEVICE bool received_rows(const Env& env, const DispatchShared& sh, uint64_t gen, bool own_known,
+                             int32_t* rows) {
+  const int s = lane_id();
+  bool ok = true;
+  int32_t n = 0;
+  if (s < env.world) {
+    if (own_known && s == env.rank) {
+      n = sh.run[s];
+    } else {
+      const HeadSlot* head = env.layout.dispatch_head(env.sig[env.rank], gen, s);
+      ok = wait_flag(env, &head->gen, gen, kOpDispatch, s);
+      n = ok ? int32_t(head->nrows) : 0;
+    }
+  }
+  *rows = warp_sum(n);
+  return warp_ballot(!ok) == 0;
 }
 
 // False (on every thread) when a wait failed: sh.src may then be incomplete.
@@ -370,7 +382,7 @@ RC_DEVICE bool dispatch_receiver(const Env& env, const DispatchArgs& a, Dispatch
   char* out_x = static_cast<char*>(a.out_x);
   IdxT* out_idx = static_cast<IdxT*>(a.out_idx);
 
-  if (!load_headers(env, sh, gen, OwnHeader{false, 0, 0})) return false;
+  if (!load_headers(env, sh, gen)) return false;
   if (j == 0 && tid < W) {
     a.out_counts[tid] = sh.src.nrows[tid];
     a.out_src_tokens[tid] = sh.src.ntok[tid];
@@ -422,14 +434,14 @@ RC_DEVICE bool dispatch_receiver(const Env& env, const DispatchArgs& a, Dispatch
   return true;
 }
 
-// Padding rows [received, W*cap), a block's worth of elements at a time
-// over the grid (a contiguous share per block takes a division by the
-// grid's size, a long instruction sequence, on every call): -1 ids, 0
-// weights, -1 source. Their x is not written (unspecified).
+// Padding rows [pad0, W*cap), pad0 the rows received, a block's worth of
+// elements at a time over the grid (a contiguous share per block takes a
+// division by the grid's size, a long instruction sequence, on every
+// call): -1 ids, 0 weights, -1 source. Their x is not written (unspecified).
 template <typename IdxT>
-RC_DEVICE void dispatch_padding(const Env& env, const DispatchArgs& a, const Sources& src) {
+RC_DEVICE void dispatch_padding(const Env& env, const DispatchArgs& a, int32_t pad0) {
   // 32-bit: W * cap * K < 2^27 (kMaxGpuWorld, kMaxGpuTokensPerRank, kMaxTopk).
-  const int32_t K = int32_t(env.layout.topk), rows = env.world * int32_t(env.layout.cap), pad0 = src.offset[env.world];
+  const int32_t K = int32_t(env.layout.topk), rows = env.world * int32_t(env.layout.cap);
   const int32_t step = int32_t(gridDim.x) * kThreads, first = int32_t(blockIdx.x) * kThreads + int32_t(threadIdx.x);
   IdxT* out_idx = static_cast<IdxT*>(a.out_idx);
   for (int32_t i = pad0 * K + first; i < rows * K; i += step) {
@@ -446,21 +458,23 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Env env, DispatchArg
   __shared__ DispatchShared sh;
   prefetch_sender_inputs<IdxT, kMode>(a, env.layout, lp, blockIdx.x);
   const uint64_t gen = op_generation(env, kOpDispatch);
+  // The padding's start, known once the headers have arrived: they usually
+  // have by now; a late peer keeps the block waiting (bounded like every
+  // wait), and after a failed wait it does not pad. The verdicts come from
+  // shared memory or the warp: polling the host-mapped error word here, on
+  // every thread, cost each warp a PCIe read (about 1 us, serialised: 1 ms
+  // per launch of 64 blocks on an H200).
+  int32_t pad0 = 0;
   bool have_headers;
   if (int(blockIdx.x) < lp.send_blocks) {
-    // The headers have usually arrived by now; a late peer keeps this block
-    // here (bounded like every wait), and after a failed wait it returns at once.
-    const OwnHeader own{dispatch_routes_all_tokens(a.ntok), a.ntok, lp.own_block_tokens};
-    have_headers =
-        dispatch_sender<IdxT, KF, V, kMode>(env, a, lp, sh, gen, blockIdx.x) && load_headers(env, sh, gen, own);
+    have_headers = dispatch_sender<IdxT, KF, V, kMode>(env, a, lp, sh, gen, blockIdx.x) &&
+                   received_rows(env, sh, gen, dispatch_routes_all_tokens(a.ntok), &pad0);
   } else {
     have_headers = dispatch_receiver<IdxT, V, kMode != kRowsAsIs>(env, a, sh, gen, blockIdx.x - lp.send_blocks,
                                                                  gridDim.x - lp.send_blocks);
+    pad0 = sh.src.offset[env.world];
   }
-  // The verdict is block-uniform and read from shared memory: polling the
-  // host-mapped error word here, on every thread, cost each warp a PCIe read
-  // (about 1 us, serialised: 1 ms per launch of 64 blocks on an H200).
-  if (have_headers) dispatch_padding<IdxT>(env, a, sh.src);
+  if (have_headers) dispatch_padding<IdxT>(env, a, pad0);
   finish_op(env, kOpDispatch, gen);
 }
 

@@ -35,7 +35,9 @@ struct RowSpan {
 // last; none where r > r_last. Each piece is a whole number of warp widths
 // long (the last one shorter). A batch stays below 2^32 vectors (at most
 // 2^11 rows of a combine chunk, 2^21 row bytes): 32-bit indices keep the
-// state that lives across the row loops small.
+// state that lives across the row loops small. Its divisions by n are long
+// instruction sequences, so a kernel that knows its first batch can compute
+// that batch's piece before it waits for anything (combine_kernel does).
 struct RowPieces {
   uint32_t r, v0, r_last, v_last;
 };
@@ -50,15 +52,18 @@ RC_DEVICE RowPieces row_pieces(uint32_t rows, uint32_t n) {
   return {r, lo - r * n, r_last, hi - r_last * n};
 }
 
-// Calls piece(r, span) for every row r of [0, rows) that this warp's piece
-// (row_pieces) touches, in ascending order.
+// Calls piece(r, span) for every row r of the batch that this warp's piece
+// `p` (row_pieces(rows, n)) touches, in ascending order.
 template <typename Piece>
-RC_DEVICE void for_row_pieces(uint32_t rows, uint32_t n, Piece piece) {
-  const RowPieces p = row_pieces(rows, n);
+RC_DEVICE void for_row_pieces(const RowPieces& p, uint32_t n, Piece piece) {
   const uint32_t ws = uint32_t(warp_size()), lane = uint32_t(lane_id());
   uint32_t v0 = p.v0;
   for (uint32_t r = p.r; r <= p.r_last; ++r, v0 = 0)
     piece(r, RowSpan{v0 + lane, ws, r == p.r_last ? p.v_last : n, v0 == 0});
+}
+template <typename Piece>
+RC_DEVICE void for_row_pieces(uint32_t rows, uint32_t n, Piece piece) {
+  for_row_pieces(row_pieces(rows, n), n, piece);
 }
 
 // A row's vectors of span `s` from src to row_of(d), for every d in `mask`
