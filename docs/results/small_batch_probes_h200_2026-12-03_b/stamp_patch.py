@@ -26,9 +26,17 @@ STAMPED_START_V13 = """  if (threadIdx.x == 0) for (int i = 0; i < 15; ++i) sh.s
 RECEIVER_V12 = "combine_receiver<D>(env, a, sh, gen, range, start, lp.vec);"
 RECEIVER_V13 = "combine_receiver<D, kSumUnroll>(env, a, sh, gen, range, first, lp.vec);"
 
-script = V12.read_text()
-for old, new in ((SUM_V12, SUM_V13), (STAMPED_START_V12, STAMPED_START_V13), (START_V12, START_V13),
-                 (RECEIVER_V12, RECEIVER_V13)):
-    assert old in script, old[:60]
-    script = script.replace(old, new)
-exec(compile(script, str(V12), "exec"))
+
+
+def v13_script() -> str:
+    """The v12 stamp patch's source with the v13 anchors."""
+    script = V12.read_text()
+    for old, new in ((SUM_V12, SUM_V13), (STAMPED_START_V12, STAMPED_START_V13), (START_V12, START_V13),
+                     (RECEIVER_V12, RECEIVER_V13)):
+        assert old in script, old[:60]
+        script = script.replace(old, new)
+    return script
+
+
+if __name__ == "__main__":
+    exec(compile(v13_script(), str(V12), "exec"))
