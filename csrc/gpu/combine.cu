@@ -333,15 +333,15 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs 
 void launch_combine(const Env& env, const CombineArgs& a, Stream s) {
   const EpGrid g = combine_grid(a.ntok, env.world, env.sm_count);
   const int64_t C = ep_chunk_tokens(a.ntok);
-  const EpLaunch lp{ep_own_block_tokens(a.ntok, env.world, env.sm_count), 0, g.send_blocks,
-                    row_vector(env.layout.hidden * env.layout.elt, {a.y, a.out}), int32_t(C), group_size(C)};
-  const int blocks = g.send_blocks + g.recv_blocks;
-  // The sum loop's vectors of a row (with_row_vector): 16 bytes, else elements.
   const int64_t payload = env.layout.hidden * env.layout.elt;
-  const bool short_sums = combine_sums_short(lp.own_block_tokens, lp.vec == 16 ? payload / 16 : env.layout.hidden);
+  const EpLaunch lp{ep_own_block_tokens(a.ntok, env.world, env.sm_count), 0, g.send_blocks,
+                    row_vector(payload, {a.y, a.out}), int32_t(C), group_size(C)};
+  const int blocks = g.send_blocks + g.recv_blocks;
   auto go = [&](auto dtype) {
     constexpr DType D = decltype(dtype)::value;
-    if (short_sums) launch("combine", combine_kernel<D, kShortUnroll>, blocks, s, env, a, lp);
+    // The sum loop's vectors of a row, as the receivers count them.
+    if (combine_sums_short(lp.own_block_tokens, row_vectors<D>(payload, lp.vec)))
+      launch("combine", combine_kernel<D, kShortUnroll>, blocks, s, env, a, lp);
     else launch("combine", combine_kernel<D, kRowUnroll>, blocks, s, env, a, lp);
   };
   switch (a.dtype) {

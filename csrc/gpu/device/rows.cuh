@@ -210,9 +210,10 @@ template <DType D, typename F>
 RC_DEVICE void with_row_vector(int vec, F&& f) {
   if (vec == 16) f(VecTag<uint4>{}); else f(VecTag<typename Elem<D>::Raw>{});
 }
-// Vectors of with_row_vector's type in `bytes`, by constant divisors.
+// Vectors of with_row_vector's type in `bytes`, by constant divisors (also
+// on the host, where launch_combine picks the sum loop from them).
 template <DType D>
-RC_DEVICE uint32_t row_vectors(int64_t bytes, int vec) {
+RC_HD uint32_t row_vectors(int64_t bytes, int vec) {
   return uint32_t(vec == 16 ? bytes / 16 : bytes / int64_t(sizeof(typename Elem<D>::Raw)));
 }
 template <typename F>
