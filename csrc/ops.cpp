@@ -509,6 +509,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   testing.def("dispatch_routes_all_tokens", &dispatch_routes_all_tokens, py::arg("ntok"));
   testing.def("dispatch_prefetches_chunk", &dispatch_prefetches_chunk, py::arg("chunk_bytes"));
   testing.def("combine_sums_short", &combine_sums_short, py::arg("block_tokens"), py::arg("row_vectors"));
+  testing.def("dispatch_routing_warp", &dispatch_routing_warp, py::arg("batch_rows"), py::arg("topk"));
+  testing.attr("gpu_routing_lanes") = kGpuRoutingLanes;
   testing.attr("gpu_short_unroll") = kGpuShortUnroll;
   testing.attr("gpu_block_threads") = kGpuBlockThreads;
   testing.def("expert_owner", &expert_owner, py::arg("e"), py::arg("num_experts"), py::arg("experts_per_rank"),

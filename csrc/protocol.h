@@ -161,6 +161,17 @@ RC_HD bool combine_sums_short(int64_t block_tokens, int64_t row_vectors) {
   return ceil_div(block_tokens * row_vectors, kGpuBlockThreads) <= kGpuShortUnroll;
 }
 
+// Dispatch senders write a batch's routing (each row's K slots: ids,
+// weights, the source token) with one lane a slot where the lanes of one
+// warp hold them all: the block's last warp does, and takes no share of the
+// batch's copy, so the routing runs beside the copy instead of after a
+// lead warp's share of it (at T = 8 about 0.3 us of a dispatch on an H200:
+// docs/performance.md, "v15"). A larger batch leaves each row's routing to
+// the warp whose share of the copy starts the row. kGpuRoutingLanes: the
+// narrowest warp we build for (32 lanes on NVIDIA and RDNA; CDNA's 64).
+constexpr int kGpuRoutingLanes = 32;
+RC_HD bool dispatch_routing_warp(int64_t batch_rows, int64_t topk) { return batch_rows * topk <= kGpuRoutingLanes; }
+
 // all_reduce algorithm predicate. One-shot: every rank pushes its whole
 // input to every peer and sums locally (one barrier, (W-1)*N bytes out per
 // rank). Two-shot: reduce-scatter then all-gather (two barriers,

@@ -117,6 +117,23 @@ def test_combine_sums_with_the_short_loop_only_where_no_lane_has_more_vectors():
     assert not short_at(4096, 7168)
 
 
+def test_dispatch_routing_warp_where_one_warp_has_a_lane_for_every_slot():
+    lanes = _C.testing.gpu_routing_lanes
+    assert lanes == 32
+    for rows, topk in ((1, 8), (4, 8), (1, 32), (32, 1), (2, 16), (0, 8)):
+        assert _C.testing.dispatch_routing_warp(rows, topk), (rows, topk)
+    for rows, topk in ((5, 8), (1, 33), (33, 1), (3, 11)):
+        assert not _C.testing.dispatch_routing_warp(rows, topk), (rows, topk)
+
+    # bench_kernels' rows on an H200, top-8: a sender block's batch at T = 8 and
+    # T = 128 (a token a block) has a routing warp, at T = 4096 (32 a block) not.
+    def routing_warp_at(ntok):
+        return _C.testing.dispatch_routing_warp(_C.testing.ep_own_block_tokens(ntok, 1, H200_SMS), 8)
+
+    assert routing_warp_at(8) and routing_warp_at(128)
+    assert not routing_warp_at(4096)
+
+
 def test_expert_owner_counts_the_rank_runs_below_the_id():
     for world in (1, 2, 3, 8, 32):
         epr = 5

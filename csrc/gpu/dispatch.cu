@@ -224,13 +224,50 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
     return all;
   };
 
+  // Row r of the batch from tb (its place `at` in the batch arrays) at
+  // destination d: j of the rows this rank sends d; this rank's own are the
+  // output's, after the lower ranks' rows.
+  auto row_index = [&](uint32_t at, int d) { return int64_t(sh.row_base[d]) + sh.batch_pos[at][d]; };
+  auto row_at = [&](uint32_t at, int d) {
+    return d == me ? out_x + (self_base + row_index(at, d)) * payload
+                   : L.dispatch_row(env.data[d], gen, me, row_index(at, d));
+  };
+  // Slot k of token tok's routing (e its id, wbits its weight's bits) at
+  // every destination in tm: the local id where the slot's expert lives
+  // there, else -1 and weight 0; slot 0 also writes the source token.
+  auto store_slot = [&](uint32_t at, int64_t tok, uint32_t tm, int k, int64_t e, uint32_t wbits) {
+    const int owner = expert_owner(e, a.num_experts, route.epr, W);
+    const float w = bits_as_float(wbits, a.weights_dtype);
+    for (uint32_t m = tm; m != 0; m &= m - 1) {
+      const int d = lowest_bit(m);
+      const int64_t id = owner == d ? e - d * route.epr : -1;
+      const float wd = owner == d ? w : 0.f;
+      if (d == me) {
+        const int64_t o = (self_base + row_index(at, d)) * K + k;
+        out_idx[o] = IdxT(id);
+        if (a.out_weights) store_from_float(a.out_weights, o, a.weights_dtype, wd);
+        if (k == 0) a.out_recv_src[self_base + row_index(at, d)] = int32_t(me * L.cap + tok);
+      } else {
+        char* row = row_at(at, d);
+        L.row_ids(row)[k] = int32_t(id);
+        L.row_weights(row)[k] = wd;
+        if (k == 0) *L.row_token(row) = int32_t(tok);
+      }
+    }
+  };
+  auto slot_weight_bits = [&](int64_t tok, int k) {
+    return a.topk_weights ? element_bits(a.topk_weights, tok * K + k, a.weights_dtype) : 0u;
+  };
+
   // The chunk's rows for the destinations in `dests`, a batch at a time:
   // each token's row is loaded once and stored to every destination it has
-  // among them (but this rank where own_rows_stay), then its routing (the
-  // local id where the slot's expert lives on the destination, else -1 and
-  // weight 0) and source token.
+  // among them (but this rank where own_rows_stay), then its routing.
   // The batch arrays are complete here: one batch's were written before a
   // barrier (the lower ranks' headers); the others are routed again here.
+  // A batch whose routing fits one warp's lanes (dispatch_routing_warp) has
+  // it written by the block's last warp, which takes no share of the copy
+  // (with warps of kMinWarpSize lanes; a wider one copies its first lanes'
+  // share too). FP8 rows keep the lead warp: their scales go with it.
   auto send = [&](uint32_t dests) {
     if (!one_batch && tid < W) sh.run[tid] = 0;  // read after batch_positions' first barrier
     for (int32_t tb = t0; tb < t1; tb += nt) {
@@ -239,21 +276,15 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
         block_sync();
       }
       const int32_t batch = t1 - tb < nt ? t1 - tb : nt;
-      for_row_pieces(uint32_t(batch), nvec, [&](uint32_t r, const RowSpan& s) {
+      const bool routing_warp = kMode == kRowsAsIs && dispatch_routing_warp(batch, K);
+      auto piece = [&](uint32_t r, const RowSpan& s) {
         const uint32_t at = uint32_t(batch_first) + r;  // the token's place in the batch arrays
         const uint32_t tm = sh.batch_mask[at] & dests;
         if (tm == 0) return;
         const int64_t tok = tb + int32_t(r);
-        // Destination d's row: j of the rows this rank sends it; this
-        // rank's own are the output's, after the lower ranks' rows.
-        auto row_index = [&](int d) { return int64_t(sh.row_base[d]) + sh.batch_pos[at][d]; };
-        auto row_at = [&](int d) {
-          return d == me ? out_x + (self_base + row_index(d)) * payload
-                         : L.dispatch_row(env.data[d], gen, me, row_index(d));
-        };
-        // Routing: each slot's id and weight are loaded once for every
-        // destination, by the row's lead warp, before the copy so the loads
-        // overlap (the weight as its bits: converting it here would wait).
+        // The lead warp loads each slot's id and weight once for every
+        // destination, before the copy so the loads overlap (the weight as
+        // its bits: converting it here would wait).
         int64_t slot_id[kSlotsPerLane];
         uint32_t slot_w[kSlotsPerLane];
 #pragma unroll
@@ -261,51 +292,41 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
           const int k = int(s.first + i * s.stride);
           if (!s.lead || k >= K) continue;
           slot_id[i] = int64_t(route.idx[tok * K + k]);
-          slot_w[i] = a.topk_weights ? element_bits(a.topk_weights, tok * K + k, a.weights_dtype) : 0u;
+          slot_w[i] = slot_weight_bits(tok, k);
         }
+        auto dest_row = [&](int d) { return row_at(at, d); };
         // An FP8 row's scales: the output's own rows or the heap row's.
         auto scales_at = [&](int d) {
-          return d == me ? a.out_scales + (self_base + row_index(d)) * S : L.row_scales(row_at(d));
+          return d == me ? a.out_scales + (self_base + row_index(at, d)) * S : L.row_scales(row_at(at, d));
         };
         // The payload to every destination but this rank where its own rows stay in x.
         const uint32_t pm = a.own_rows_stay ? tm & ~(1u << me) : tm;
         if constexpr (kMode == kQuantizeFp8) {
-          quantize_fp8_row(x + tok * in_row, a.x_dtype, H, a.fp8_vectors, row_at, scales_at, pm, s);
+          quantize_fp8_row(x + tok * in_row, a.x_dtype, H, a.fp8_vectors, dest_row, scales_at, pm, s);
         } else if (pm != 0) {
-          copy_row<V, true>(x + tok * in_row, row_at, pm, s);
+          copy_row<V, true>(x + tok * in_row, dest_row, pm, s);
           if (kMode == kFp8Pair && s.lead) copy_scales<true>(a.x_scales + tok * S, S, scales_at, pm, s);
         }
         if (!s.lead) return;
 #pragma unroll
         for (int i = 0; i < kSlotsPerLane; ++i) {
           const int k = int(s.first + i * s.stride);
-          if (k >= K) continue;
-          const int64_t e = slot_id[i];
-          const int owner = expert_owner(e, a.num_experts, route.epr, W);
-          const float w = bits_as_float(slot_w[i], a.weights_dtype);
-          for (uint32_t m = tm; m != 0; m &= m - 1) {
-            const int d = lowest_bit(m);
-            const int64_t id = owner == d ? e - d * route.epr : -1;
-            const float wd = owner == d ? w : 0.f;
-            if (d == me) {
-              const int64_t o = (self_base + row_index(d)) * K + k;
-              out_idx[o] = IdxT(id);
-              if (a.out_weights) store_from_float(a.out_weights, o, a.weights_dtype, wd);
-            } else {
-              char* row = row_at(d);
-              L.row_ids(row)[k] = int32_t(id);
-              L.row_weights(row)[k] = wd;
-            }
-          }
+          if (k < K) store_slot(at, tok, tm, k, slot_id[i], slot_w[i]);
         }
-        if (s.first == 0) {
-          for (uint32_t m = tm; m != 0; m &= m - 1) {
-            const int d = lowest_bit(m);
-            if (d == me) a.out_recv_src[self_base + row_index(d)] = int32_t(me * L.cap + tok);
-            else *L.row_token(row_at(d)) = int32_t(tok);
-          }
+      };
+      if (routing_warp) {
+        for_row_pieces(row_pieces<kThreads - kMinWarpSize>(uint32_t(batch), nvec), nvec, piece, false);
+        const int l = lane_id();
+        if (tid >= nt - warp_size() && l < batch * K) {
+          const uint32_t r = uint32_t(l / K), at = uint32_t(batch_first) + r;
+          const int k = l - int(r) * K;
+          const uint32_t tm = sh.batch_mask[at] & dests;
+          const int64_t tok = tb + int32_t(r);
+          if (tm != 0) store_slot(at, tok, tm, k, int64_t(route.idx[tok * K + k]), slot_weight_bits(tok, k));
         }
-      });
+      } else {
+        for_row_pieces(uint32_t(batch), nvec, piece);
+      }
       block_sync();
     }
   };

@@ -18,6 +18,7 @@ constexpr int kThreads = kGpuBlockThreads;  // protocol.h
 // NVIDIA and read at run time on HIP. Per-warp arrays hold
 // kThreads / kMinWarpSize entries, enough for a block of any warp size.
 constexpr int kMinWarpSize = 32;
+static_assert(kGpuRoutingLanes == kMinWarpSize, "a routing warp's slots fit every warp width");
 constexpr int kMaxWarps = kThreads / kMinWarpSize;
 static_assert(kThreads % 64 == 0, "a block is whole warps for every warp size");
 

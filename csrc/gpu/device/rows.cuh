@@ -41,10 +41,13 @@ struct RowSpan {
 struct RowPieces {
   uint32_t r, v0, r_last, v_last;
 };
+template <int kPieceThreads = kThreads>
 RC_DEVICE RowPieces row_pieces(uint32_t rows, uint32_t n) {
-  // kThreads, not blockDim.x: a division by a constant is a shift.
+  // A constant, not blockDim.x: a division by a constant is a shift or a
+  // multiplication. Pieces over fewer threads than the block's leave its
+  // last warps none.
   const uint32_t ws = uint32_t(warp_size()), total = rows * n;
-  const uint32_t per = (total + kThreads - 1) / kThreads * ws;
+  const uint32_t per = (total + kPieceThreads - 1) / kPieceThreads * ws;
   const uint32_t lo = threadIdx.x / ws * per;
   if (lo >= total) return {1, 0, 0, 0};
   const uint32_t hi = lo + per < total ? lo + per : total;
@@ -55,11 +58,11 @@ RC_DEVICE RowPieces row_pieces(uint32_t rows, uint32_t n) {
 // Calls piece(r, span) for every row r of the batch that this warp's piece
 // `p` (row_pieces(rows, n)) touches, in ascending order.
 template <typename Piece>
-RC_DEVICE void for_row_pieces(const RowPieces& p, uint32_t n, Piece piece) {
+RC_DEVICE void for_row_pieces(const RowPieces& p, uint32_t n, Piece piece, bool leads = true) {
   const uint32_t ws = uint32_t(warp_size()), lane = uint32_t(lane_id());
   uint32_t v0 = p.v0;
   for (uint32_t r = p.r; r <= p.r_last; ++r, v0 = 0)
-    piece(r, RowSpan{v0 + lane, ws, r == p.r_last ? p.v_last : n, v0 == 0});
+    piece(r, RowSpan{v0 + lane, ws, r == p.r_last ? p.v_last : n, leads && v0 == 0});
 }
 template <typename Piece>
 RC_DEVICE void for_row_pieces(uint32_t rows, uint32_t n, Piece piece) {
