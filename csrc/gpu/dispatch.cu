@@ -23,7 +23,9 @@ struct DispatchShared {
   // rows this rank's lower ranks send it (lower_rows).
   int32_t prefix[kMaxGpuWorld], chunk_end[kMaxGpuWorld], row_base[kMaxGpuWorld], run[kMaxGpuWorld];
   int32_t lower_rows;
-  int32_t warp_tot[kMaxWarps][kMaxGpuWorld];
+  // Aligned: the compiler reads a warp's row in 16-byte loads, which would
+  // otherwise take in lower_rows while thread 0 writes it.
+  alignas(16) int32_t warp_tot[kMaxWarps][kMaxGpuWorld];
   uint32_t batch_mask[kThreads];
   int32_t batch_pos[kThreads][kMaxGpuWorld];
   Sources src;  // every source's header (receivers; every block before the padding)

@@ -221,6 +221,19 @@ RC_DEVICE bool block_all(bool pred) {
 #endif
 }
 
+// Warp barrier: the warp's shared-memory stores and loads before it happen
+// before those after it, on every lane. Lanes of a warp are not in lockstep
+// (NVIDIA since Volta), and a shuffle orders its operands, not memory.
+RC_DEVICE void warp_sync() {
+#ifdef RC_HIP
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+  __builtin_amdgcn_wave_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
+#else
+  __syncwarp();
+#endif
+}
+
 // Timer for bounded spins; ticks per ms from timer_ticks_per_ms().
 RC_DEVICE uint64_t timer_ticks() {
 #ifdef RC_HIP

@@ -64,13 +64,15 @@ RC_DEVICE int32_t warp_sum(int32_t v) {
 // tokens of the batch (threads below this one) that go to d, plus run[d];
 // then run[d] grows by the batch's total. Ballots over each warp, then warp
 // d scans destination d's warp totals (shared memory) with shuffles. Two
-// barriers; back-to-back calls need none between them (a warp rewrites only
-// its own warp_tot row, after its last read of it, and warp d reads run[d]
-// and warp_tot's column d before the second barrier).
+// block barriers; back-to-back calls need none between them (a warp
+// rewrites only its own warp_tot row, after a warp barrier past its lanes'
+// last reads of it, and warp d reads run[d] and warp_tot's column d before
+// the second block barrier).
 RC_DEVICE void batch_positions(uint32_t m, int W, int32_t (&pos)[kMaxGpuWorld],
                                int32_t (&warp_tot)[kMaxWarps][kMaxGpuWorld], int32_t* run) {
   const int ws = warp_size(), lane = lane_id(), warp = int(threadIdx.x) / ws, nw = kThreads / ws;
   const uint64_t below = lane == 0 ? 0ull : (~0ull >> (64 - lane));
+  warp_sync();  // the lanes' reads of the warp's row in an earlier call come first
 #pragma unroll
   for (int d = 0; d < kMaxGpuWorld; ++d) {
     if (d >= W) break;
@@ -87,6 +89,7 @@ RC_DEVICE void batch_positions(uint32_t m, int W, int32_t (&pos)[kMaxGpuWorld],
       const int32_t lower = warp_shfl_up(inclusive, o);
       if (lane >= o) inclusive += lower;
     }
+    warp_sync();  // every lane has read run[d] before lane nw - 1 rewrites it
     if (lane < nw) warp_tot[lane][d] = base + inclusive - v;
     if (lane == nw - 1) run[d] = base + inclusive;
   }
