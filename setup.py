@@ -69,6 +69,10 @@ setup(
     # 5.24.0: 5.18 is the first whose experts modules skip the id num_experts
     # (experts of other ranks) in their eager and grouped_mm forwards.
     extras_require={"transformers": ["transformers>=5.18"]},
-    entry_points={"console_scripts": ["rdna4-comm-doctor=rdna4_comm.doctor:main"]},
+    entry_points={
+        "console_scripts": ["rdna4-comm-doctor=rdna4_comm.doctor:main"],
+        # vLLM loads it in every process; it acts only where VLLM_PLUGINS names it.
+        "vllm.general_plugins": ["rdna4_comm = rdna4_comm.integrations.vllm:register"],
+    },
     zip_safe=False,
 )

@@ -95,6 +95,12 @@ class Communicator(EpMethods):
             torch.float8_e4m3fn: dispatch carries FP8 rows with an fp32 scale
             per 128 channels (:func:`rdna4_comm.quantize_fp8`), about half
             the bytes; combine stays in ``dtype``.
+        name: the communicator's id (``comm.id``), which the ops carry as a
+            string and compiled code holds as a constant. Default
+            ``"rdna4_comm.<pid>.<n>"``, unique but different in every process;
+            a name of your own (the same on every rank, unique among this
+            process's open communicators) keeps compiled graphs valid in
+            another process, e.g. one loaded from a compile cache.
 
     Heap size per rank: about ``4 * W * allreduce_slot_bytes`` plus, with EP
     fields, ``2 * W * cap * (2*H*elt + 8*K + 4)`` bytes (FP8 dispatch:
@@ -125,6 +131,7 @@ class Communicator(EpMethods):
         expert_alignment: int = 1,
         max_expert_rows: Optional[int] = None,
         dispatch_dtype: Optional[torch.dtype] = None,
+        name: Optional[str] = None,
     ):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -174,6 +181,9 @@ class Communicator(EpMethods):
             except ValueError:
                 raise ValueError(f"RDNA4_COMM_TIMEOUT_MS must be a positive integer (milliseconds), got {env!r}") from None
         timeout_ms = _positive_int("timeout_ms", timeout_ms)
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"Communicator: name must be a non-empty str, got {name!r}")
+        comm_id = name if name is not None else f"rdna4_comm.{os.getpid()}.{next(_ids)}"
 
         # The ordering token needs torch._dynamo, whose first import takes
         # seconds: done before the construction's deadline starts.
@@ -189,7 +199,12 @@ class Communicator(EpMethods):
                            expert_alignment=expert_alignment, max_expert_rows=max_expert_rows,
                            allreduce_slot_bytes=allreduce_slot_bytes)
         hello = rendezvous.exchange("hello", dict(report=rank_report(), pid=os.getpid(),
-                                                  start=_C.process_start_time(os.getpid()), heap=heap_fields))
+                                                  start=_C.process_start_time(os.getpid()), heap=heap_fields,
+                                                  id_taken=_C.comm_device(comm_id) is not None))
+        taken = [r for r, h in enumerate(hello) if h["id_taken"]]
+        if taken:
+            raise ValueError(f"Communicator: name {comm_id!r} is already the id of an open communicator on ranks "
+                             f"{taken}; close that one first or pass another name")
         for name, mine in heap_fields.items():
             every = [h["heap"][name] for h in hello]
             if any(v != mine for v in every):
@@ -222,7 +237,7 @@ class Communicator(EpMethods):
         # "dist" runs on the GPUs when every rank has one, else on the CPU.
         on_gpu = all(rep.gpu is not None for rep in reports) and choice.transport != "cpu"
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        self.id = f"rdna4_comm.{os.getpid()}.{next(_ids)}"
+        self.id = comm_id
         self._order = order_token(self.device)
         self._open = False
 
@@ -265,7 +280,7 @@ class Communicator(EpMethods):
             # collective carries timeout_ms itself): at least DIST_SETUP_MS,
             # which connecting gloo's pairs can take on a loaded host.
             setup = timedelta(milliseconds=max(settings["timeout_ms"], DIST_SETUP_MS))
-            dist_group = rendezvous.own_group(self.group, f"rdna4_comm:{host_identity()}:{self.id}",
+            dist_group = rendezvous.own_group(self.group, f"rdna4_comm:{host_identity()}:{rendezvous.prefix}",
                                               "nccl" if nccl else "gloo", setup)
         self._config = _C.CommConfig(
             id=self.id, transport=transport, group_name=dist_group.group_name if dist_group is not None else "",

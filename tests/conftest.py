@@ -67,6 +67,7 @@ def world_small(request, worlds) -> World:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: a minute or more on the 2-core CI machine (-m 'not slow' skips them)")
+    config.addinivalue_line("markers", "vllm: end to end through vLLM's CPU build (-m vllm runs them alone)")
 
 
 def pytest_collection_modifyitems(config, items):
