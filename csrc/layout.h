@@ -4,6 +4,7 @@
 // of the GPU transport and the device kernels all read one definition.
 #pragma once
 
+#include "calls.h"
 #include "protocol.h"
 
 namespace rdna4_comm {
@@ -40,6 +41,7 @@ struct Layout {
   size_t dispatch_tally = 0;   // [max_chunks][W] tally words, own use
   size_t combine_flags = 0;    // [2][W][max_chunks] u64
   size_t probe_flags = 0;      // [W] u64
+  size_t call_slots = 0;       // [2][W] u64: each source's call word of a round (calls.h)
   size_t signal_bytes = 0;
 
   size_t ar_inbox = 0;       // [2][W][ar_slot_bytes]: input (one-shot) or scatter share (two-shot)
@@ -74,6 +76,9 @@ struct Layout {
   }
   RC_HD uint64_t* probe_flag(char* sig, int src) const {
     return reinterpret_cast<uint64_t*>(sig + probe_flags) + src;
+  }
+  RC_HD uint64_t* call_slot(char* sig, uint64_t round, int src) const {
+    return reinterpret_cast<uint64_t*>(sig + call_slots) + size_t(round & 1) * world + src;
   }
   RC_HD char* ar_slot(char* data, uint64_t gen, int src) const {
     return data + ar_inbox + (size_t(gen & 1) * world + src) * size_t(ar_slot_bytes);
@@ -131,6 +136,7 @@ inline Layout make_layout(const HeapConfig& c) {
   l.dispatch_tally = take(sizeof(uint64_t) * size_t(l.max_chunks) * W);
   l.combine_flags = take(sizeof(uint64_t) * 2 * W * size_t(l.max_chunks));
   l.probe_flags = take(sizeof(uint64_t) * W);
+  l.call_slots = take(sizeof(uint64_t) * 2 * W);
   l.signal_bytes = off;
 
   off = 0;
