@@ -42,6 +42,12 @@ constexpr int kCallHiddenBits = 20;
 constexpr int64_t kCallMaxHidden = (int64_t(1) << kCallHiddenBits) - 1;
 constexpr int64_t kCallMaxRows = (int64_t(1) << (kCallValueBits - kCallHiddenBits)) - 1;
 
+// The number of the round that follows `all_reduce`, `dispatch` and `combine`
+// rounds of those op sequences (their generation counters).
+RC_HD uint64_t next_round(uint64_t all_reduce, uint64_t dispatch, uint64_t combine) {
+  return all_reduce + dispatch + combine + 1;
+}
+
 // A call's fields without its round (the round is stamped per round: call_word).
 RC_HD uint64_t call_fields(int op, int flags, int dtype, uint64_t value) {
   return uint64_t(op & 7) << 53 | uint64_t(flags & 3) << 51 | uint64_t(dtype & 3) << 49 | (value & kCallValueMask);
@@ -52,6 +58,8 @@ RC_HD uint64_t call_word(uint64_t fields, uint64_t round) {
 RC_HD bool call_of_round(uint64_t word, uint64_t round) {
   return word != 0 && (word >> 56) == (round & ((uint64_t(1) << kCallRoundBits) - 1));
 }
+// The round's low bits a word holds (enough for its slot and call_of_round).
+RC_HD uint64_t call_round_bits(uint64_t word) { return word >> 56; }
 RC_HD int call_op(uint64_t word) { return int(word >> 53 & 7); }
 RC_HD int call_flags(uint64_t word) { return int(word >> 51 & 3); }
 RC_HD int call_dtype(uint64_t word) { return int(word >> 49 & 3); }

@@ -135,15 +135,106 @@ std::string Comm::exit_message(int peer) const {
 
 Comm::Comm(CommConfig cfg) : cfg_(with_element_size(std::move(cfg))), layout_(make_layout(cfg_)) {}
 
-std::string Comm::timeout_message(int op, int peer, uint64_t gen) const {
+namespace {
+std::string call_dtype_name(int dtype) {
+  return dtype == kCallF32 ? "torch.float32" : dtype == kCallBF16 ? "torch.bfloat16" : "torch.float16";
+}
+int64_t rmsnorm_hidden(uint64_t word) { return int64_t(call_value(word) & uint64_t(kCallMaxHidden)); }
+int64_t rmsnorm_rows(uint64_t word) { return int64_t(call_value(word) >> kCallHiddenBits); }
+const char* layout_name(uint64_t word) { return call_flags(word) & 1 ? "\"expert\"" : "\"rank\""; }
+}  // namespace
+
+int call_dtype_of(at::ScalarType st) {
+  return st == at::kFloat ? kCallF32 : st == at::kBFloat16 ? kCallBF16 : kCallF16;
+}
+
+std::string Comm::call_name(uint64_t word) {
+  std::ostringstream s;
+  switch (call_op(word)) {
+    case kCallAllReduce:
+      s << "all_reduce(dtype=" << call_dtype_name(call_dtype(word)) << ", numel=" << call_value(word) << ")";
+      break;
+    case kCallAllReduceRmsNorm:
+      s << "all_reduce_rmsnorm(dtype=" << call_dtype_name(call_dtype(word)) << ", hidden=" << rmsnorm_hidden(word)
+        << ", rows=" << rmsnorm_rows(word) << ", residual=" << (call_flags(word) & 1 ? "given" : "None") << ")";
+      break;
+    case kCallDispatch:
+      s << "dispatch(layout=" << layout_name(word) << (call_flags(word) & 2 ? ", x=a (q, scales) pair" : "") << ")";
+      break;
+    case kCallCombine:
+      s << "combine(the handle of the dispatch of round " << call_value(word) << ", layout=" << layout_name(word)
+        << ")";
+      break;
+    default:
+      s << "no call";
+  }
+  return s.str();
+}
+
+std::string Comm::mismatch_message(uint64_t round, uint64_t mine, int peer, uint64_t theirs) const {
+  const std::string there = " on rank " + std::to_string(peer);
+  std::vector<std::string> differ;
+  auto field = [&](const char* name, auto a, auto b) {
+    if (a != b) differ.push_back(std::string(name) + " " + std::to_string(a) + " here, " + std::to_string(b) + there);
+  };
+  const int flags = call_flags(mine) ^ call_flags(theirs);
+  if (call_op(mine) != call_op(theirs)) {
+    differ.push_back("a different op: a rank skipped a call, or made one its peers did not");
+  } else {
+    if (call_dtype(mine) != call_dtype(theirs))
+      differ.push_back("dtype " + call_dtype_name(call_dtype(mine)) + " here, " + call_dtype_name(call_dtype(theirs)) +
+                       there);
+    switch (call_op(mine)) {
+      case kCallAllReduce:
+        field("numel", call_value(mine), call_value(theirs));
+        break;
+      case kCallAllReduceRmsNorm:
+        field("hidden", rmsnorm_hidden(mine), rmsnorm_hidden(theirs));
+        field("rows", rmsnorm_rows(mine), rmsnorm_rows(theirs));
+        if (flags & 1) differ.push_back("a residual given on one rank only");
+        break;
+      case kCallDispatch:
+        if (flags & 1) differ.push_back(std::string("layout ") + layout_name(mine) + " here, " + layout_name(theirs) + there);
+        if (flags & 2) differ.push_back("x a (q, scales) pair on one rank only");
+        break;
+      case kCallCombine:
+        if (call_value(mine) != call_value(theirs))
+          differ.push_back("handles of different dispatches: of round " + std::to_string(call_value(mine)) +
+                           " here, of round " + std::to_string(call_value(theirs)) + there);
+        if (flags & 1) differ.push_back("an expert-layout handle on one rank only");
+        break;
+    }
+  }
+  std::ostringstream s;
+  s << "rdna4_comm: the ranks of communicator '" << cfg_.id << "' disagree on round " << round << ": rank "
+    << cfg_.rank << " called " << call_name(mine) << ", rank " << peer << " called " << call_name(theirs) << " (";
+  for (size_t i = 0; i < differ.size(); ++i) s << (i ? "; " : "") << differ[i];
+  s << "). No rank gets a result of this call. The communicator is unusable now: close it; a new Communicator "
+       "on the same group works (docs/semantics.md, \"Calls that disagree\").";
+  return s.str();
+}
+
+std::string Comm::timeout_message(int op, int peer, uint64_t round, uint64_t mine,
+                                  const uint64_t peer_words[2]) const {
   std::ostringstream s;
   s << "rdna4_comm: " << op_name(op) << " on rank " << cfg_.rank << " of communicator '" << cfg_.id
-    << "' timed out after " << cfg_.timeout_ms << " ms waiting for rank " << peer
-    << " (generation " << gen
-    << "). The peer never made the matching call or died"
-    << (cfg_.transport == "gpu" ? ", or its peer-to-peer writes do not reach this GPU" : "")
-    << ". The communicator is unusable now: close it and create a new one "
-       "(timeout_ms or RDNA4_COMM_TIMEOUT_MS sets the bound).";
+    << "' timed out after " << cfg_.timeout_ms << " ms waiting for rank " << peer << " in round " << round << " ("
+    << call_name(mine) << "). ";
+  const uint64_t now = peer_words[round & 1], before = peer_words[(round + 1) & 1];
+  if (call_of_round(now, round)) {
+    s << "Rank " << peer << " made that call too, but its part did not arrive: it died or stalled inside the call"
+      << (cfg_.transport == "gpu" ? ", or its peer-to-peer writes do not reach this GPU" : "") << ".";
+  } else {
+    s << "Rank " << peer << " had not made this call by then";
+    if (round > 1 && call_of_round(before, round - 1))
+      s << " (its last call was round " << round - 1 << ", " << call_name(before) << ")";
+    else if (before == 0 && now == 0)
+      s << " (it has made no call on this communicator)";
+    s << ": it is alive (a peer on this host whose process exits is noticed at once) but busy elsewhere, "
+         "waiting in another collective, or not calling this communicator.";
+  }
+  s << " The communicator is unusable now: close it and create a new one (timeout_ms or RDNA4_COMM_TIMEOUT_MS "
+       "sets the bound).";
   return s.str();
 }
 
@@ -201,6 +292,7 @@ at::Tensor Comm::all_reduce(const at::Tensor& x) {
   check_contiguous(op, "x", x);
   at::Tensor out = empty(x.sizes(), st);
   if (cfg_.world == 1) return out.copy_(x);
+  call_ = all_reduce_call(call_dtype_of(st), x.numel());
   all_reduce_into(st, static_cast<const char*>(x.data_ptr()), static_cast<char*>(out.data_ptr()), x.numel(),
                   /*gpu=*/cfg_.transport == "gpu");
   return out;
@@ -210,8 +302,12 @@ void Comm::all_reduce_into(at::ScalarType st, const char* in, char* out, int64_t
   const int64_t elt = int64_t(c10::elementSize(st));
   const bool one_shot = allreduce_use_one_shot(n * elt, cfg_.world, gpu);
   const int64_t chunk = allreduce_chunk_elems(layout_.ar_slot_bytes, elt, cfg_.world, one_shot);
-  for (int64_t off = 0; off < n; off += chunk)
+  // At least one round, an empty one for n = 0: every call announces itself.
+  int64_t off = 0;
+  do {
     all_reduce_chunk(st, in + off * elt, out + off * elt, std::min(chunk, n - off), one_shot);
+    off += chunk;
+  } while (off < n);
 }
 
 std::pair<at::Tensor, at::Tensor> Comm::all_reduce_rmsnorm(const at::Tensor& x,
@@ -237,7 +333,8 @@ std::pair<at::Tensor, at::Tensor> Comm::all_reduce_rmsnorm(const at::Tensor& x,
   check_device(op, "weight", weight, dev);
   check_shape(op, "weight", weight, {H}, "[H], x's last dimension");
   TORCH_CHECK_TYPE(weight.scalar_type() == st || weight.scalar_type() == at::kFloat, op, ": weight must be ",
-                   dtype_name(st), " (x's dtype) or torch.float32, got ", dtype_name(weight.scalar_type()));
+                   dtype_name(st), st == at::kFloat ? " (x's dtype)" : " (x's dtype) or torch.float32", ", got ",
+                   dtype_name(weight.scalar_type()));
   check_contiguous(op, "weight", weight);
   TORCH_CHECK_VALUE(std::isfinite(eps) && eps > 0 && std::isfinite(float(eps)), op,
                     ": eps must be a finite float > 0, got ", eps);
@@ -245,8 +342,15 @@ std::pair<at::Tensor, at::Tensor> Comm::all_reduce_rmsnorm(const at::Tensor& x,
   at::Tensor out = empty(x.sizes(), x.scalar_type());
   at::Tensor res_out = empty(x.sizes(), x.scalar_type());
   const int64_t T = x.numel() / H, elt = x.element_size(), row_bytes = H * elt;
-  if (T == 0) return {out, res_out};
+  if (cfg_.world == 1 && T == 0) return {out, res_out};
+  TORCH_CHECK_VALUE(H <= kCallMaxHidden && T <= kCallMaxRows, op, ": x must have at most ", kCallMaxRows,
+                    " rows of at most ", kCallMaxHidden, " elements, got ", shape_str(x));
+  call_ = rmsnorm_call(call_dtype_of(st), residual.has_value(), H, T);
   const bool gpu = cfg_.transport == "gpu";
+  if (T == 0) {  // no rows: an empty all_reduce round, which still announces the call
+    all_reduce_into(st, nullptr, nullptr, 0, gpu);
+    return {out, res_out};
+  }
   const int path = rmsnorm_path(T, H, elt, cfg_.world, gpu, layout_.ar_slot_bytes);
   RmsNormRows c{};
   c.dtype = st;
@@ -294,12 +398,12 @@ at::Tensor Comm::empty(at::IntArrayRef sizes, at::ScalarType dtype) const {
 
 Dispatched Comm::dispatch(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales, const at::Tensor& topk_idx,
                           const c10::optional<at::Tensor>& topk_weights) {
-  return dispatch_rows(x, x_scales, topk_idx, topk_weights, false);
+  return dispatch_rows(x, x_scales, topk_idx, topk_weights, false, false);
 }
 
 Dispatched Comm::dispatch_rows(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales,
                                const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights,
-                               bool rows_stay) {
+                               bool expert_layout, bool rows_stay) {
   check();
   static const char* op = "dispatch";
   check_ep(cfg_, op);
@@ -321,8 +425,11 @@ Dispatched Comm::dispatch_rows(const at::Tensor& x, const c10::optional<at::Tens
     if (!flat && !like_x) {
       std::vector<int64_t> want(x.sizes().begin(), x.sizes().end() - 1);
       want.push_back(cols);
-      TORCH_CHECK_VALUE(false, op, ": ", arg, " must have shape ", at::IntArrayRef(want), " (x's tokens, ", what,
-                        ") or [", T, ", ", cols, "], got ", shape_str(t));
+      // A [T, H] x has one expected shape; x of more dims, two.
+      std::ostringstream flat_too;
+      if (x.dim() > 2) flat_too << " or [" << T << ", " << cols << "]";
+      TORCH_CHECK_VALUE(false, op, ": ", arg, " must have shape ", at::IntArrayRef(want), " (x's tokens, ", what, ")",
+                        flat_too.str(), ", got ", shape_str(t));
     }
     check_contiguous(op, arg, t);
   };
@@ -351,6 +458,7 @@ Dispatched Comm::dispatch_rows(const at::Tensor& x, const c10::optional<at::Tens
     check_per_token("topk_weights", *topk_weights, cfg_.topk, "topk");
   }
   Dispatched out = allocate_dispatched(T, it, wt);
+  call_ = dispatch_call(expert_layout, x_scales.has_value());
   // The transports take [T, H] and [T, K]; a view is an op call of its own
   // (a quarter of the host time of an eager dispatch), so flat inputs pass as they are.
   auto flat = [T](const at::Tensor& t, int64_t cols) { return t.dim() == 2 ? t : t.view({T, cols}); };
@@ -374,7 +482,8 @@ Dispatched Comm::dispatch_rows(const at::Tensor& x, const c10::optional<at::Tens
 }
 
 void Comm::check_handle_fields(const char* op, const at::Tensor& recv_src, const at::Tensor& counts,
-                               const at::Tensor& src_tokens, const at::Tensor& send_mask) const {
+                               const at::Tensor& src_tokens, const at::Tensor& send_mask,
+                               const at::Tensor& dispatch_round) const {
   const auto dev = device();
   const int64_t rows = int64_t(cfg_.world) * cfg_.cap;
   const std::pair<const char*, const at::Tensor*> handle[] = {
@@ -391,10 +500,13 @@ void Comm::check_handle_fields(const char* op, const at::Tensor& recv_src, const
   TORCH_CHECK_VALUE(send_mask.dim() == 1 && send_mask.size(0) <= cfg_.cap, op,
                     ": handle.send_mask must have shape [T] with T <= ", cfg_.cap, ", got ",
                     shape_str(send_mask));
+  check_device(op, "handle.dispatch_round", dispatch_round, dev);
+  check_dtype(op, "handle.dispatch_round", dispatch_round, at::kLong);
+  check_shape(op, "handle.dispatch_round", dispatch_round, {1}, "one round number");
 }
 
 at::Tensor Comm::combine(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
-                         const at::Tensor& src_tokens, const at::Tensor& send_mask) {
+                         const at::Tensor& src_tokens, const at::Tensor& send_mask, const at::Tensor& dispatch_round) {
   check();
   static const char* op = "combine";
   check_ep(cfg_, op);
@@ -404,14 +516,16 @@ at::Tensor Comm::combine(const at::Tensor& y, const at::Tensor& recv_src, const 
   check_shape(op, "y", y, {rows, cfg_.hidden}, "[world_size * max_tokens_per_rank, hidden]");
   check_dtype(op, "y", y, cfg_.dtype);
   check_contiguous(op, "y", y);
-  check_handle_fields(op, recv_src, counts, src_tokens, send_mask);
-  return combine_checked(y, recv_src, counts, src_tokens, send_mask);
+  check_handle_fields(op, recv_src, counts, src_tokens, send_mask, dispatch_round);
+  call_ = combine_call(false, 0);
+  return combine_checked(y, recv_src, counts, src_tokens, send_mask, dispatch_round);
 }
 
 at::Tensor Comm::combine_checked(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
-                                 const at::Tensor& src_tokens, const at::Tensor& send_mask) {
+                                 const at::Tensor& src_tokens, const at::Tensor& send_mask,
+                                 const at::Tensor& dispatch_round) {
   at::Tensor out = empty_output(combine_output(), send_mask.size(0));
-  combine_impl(y, recv_src, counts, src_tokens, send_mask, out);
+  combine_impl(y, recv_src, counts, src_tokens, send_mask, dispatch_round, out);
   return out;
 }
 

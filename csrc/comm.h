@@ -40,6 +40,9 @@ struct CommConfig : HeapConfig {
   int device_index = -1;  // GPU transport: the CUDA/HIP device of this rank
   int64_t expert_alignment = 1;  // expert layout: each expert's block of rows starts at a multiple of this
   int64_t max_expert_rows = 0;   // expert layout: rows of its x; 0 for the worst case (expert_rows())
+  // Transport "dist": whether each round first exchanges the ranks' call
+  // words (one more collective; the P2P transports always check them).
+  bool dist_check_calls = false;
 
   bool has_ep() const { return cap > 0; }
   bool fp8() const { return dispatch_dtype == at::kFloat8_e4m3fn; }
@@ -64,6 +67,8 @@ void check_contiguous(const char* op, const char* arg, const at::Tensor& t);
 void check_dtype(const char* op, const char* arg, const at::Tensor& t, at::ScalarType want);
 void check_shape(const char* op, const char* arg, const at::Tensor& t, at::IntArrayRef want, const char* meaning);
 void check_ep(const CommConfig& c, const char* op);
+// The call words' dtype code (calls.h) of an all_reduce dtype.
+int call_dtype_of(at::ScalarType st);
 
 // A communicator's all_reduce slot: bytes per (parity, source) inbox, one
 // chunk of a larger tensor at a time (one-shot chunks fill at most one slot,
@@ -100,6 +105,7 @@ struct Dispatched {
   at::Tensor recv_src;    // [W*cap] int32: source rank * cap + source token, -1 for padding
   at::Tensor src_tokens;  // [W] int32: T of each source rank
   at::Tensor send_mask;   // [T] int32: bit d set when the token was sent to rank d
+  at::Tensor dispatch_round;  // [1] int64: this dispatch's round (calls.h), the same on every rank
   at::Tensor x_scales;    // FP8: [W*cap, fp8_num_scales(H)] fp32, x's scales; else undefined
   // The expert layout's dispatch on the GPU transport leaves the rows where
   // they are, for the placement to read (Comm::place_expert_rows): the
@@ -125,8 +131,8 @@ struct OutputSpec {
   }
 };
 // Dispatched's fields in the op's order (x, topk_idx, topk_weights, counts,
-// recv_src, src_tokens, send_mask).
-constexpr int kDispatchOutputs = 7;
+// recv_src, src_tokens, send_mask, dispatch_round).
+constexpr int kDispatchOutputs = 8;
 
 // The expert layout (docs/semantics.md, "Expert layout"): dispatch's rows
 // grouped by local expert, built from the rank layout's. Fields in the
@@ -138,9 +144,10 @@ struct ExpertDispatched {
   at::Tensor topk_weights;    // [expert_rows] the weights' dtype, or [0]
   at::Tensor recv_src, counts, src_tokens, send_mask;  // the rank layout's handle
   at::Tensor expert_rows_of;  // [W*cap, K] int32: a received row's expert rows, ascending expert, then -1
+  at::Tensor dispatch_round;  // [1] int64, as Dispatched's
   at::Tensor x_scales;        // FP8: [expert_rows, fp8_num_scales(H)] fp32; else undefined
 };
-constexpr int kExpertDispatchOutputs = 9;
+constexpr int kExpertDispatchOutputs = 10;
 
 // One chunk of all_reduce_rmsnorm: `rows` whole rows of `hidden` elements,
 // row-major and contiguous. residual is null without one; weight holds
@@ -210,14 +217,15 @@ class Comm {
   Dispatched dispatch(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales, const at::Tensor& topk_idx,
                       const c10::optional<at::Tensor>& topk_weights);
   at::Tensor combine(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
-                     const at::Tensor& src_tokens, const at::Tensor& send_mask);
+                     const at::Tensor& src_tokens, const at::Tensor& send_mask, const at::Tensor& dispatch_round);
   // The expert layout: dispatch, then its rows grouped by local expert; and
   // combine of an expert-layout result (each received row's expert rows
   // summed in ascending expert order first).
   ExpertDispatched dispatch_expert(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales,
                                    const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights);
   at::Tensor combine_expert(const at::Tensor& y, const at::Tensor& expert_rows_of, const at::Tensor& recv_src,
-                            const at::Tensor& counts, const at::Tensor& src_tokens, const at::Tensor& send_mask);
+                            const at::Tensor& counts, const at::Tensor& src_tokens, const at::Tensor& send_mask,
+                            const at::Tensor& dispatch_round);
   // Runs the first `most` deferred checks (defer_check) whose values have
   // landed, oldest first; they raise for a value an op computed on the
   // device that is wrong. Every op ends here (ops.cpp).
@@ -252,9 +260,11 @@ class Comm {
   virtual void dispatch_impl(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales,
                              const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights,
                              Dispatched& out) = 0;
+  // dispatch_impl writes out.dispatch_round; combine_impl gets the handle's
+  // and announces it (call_, below, holds the rest of the call).
   virtual void combine_impl(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
                             const at::Tensor& src_tokens, const at::Tensor& send_mask,
-                            at::Tensor& out) = 0;
+                            const at::Tensor& dispatch_round, at::Tensor& out) = 0;
 
   // Checks of values an op computed on the device, without a host
   // synchronisation: `values` (int32) are copied to host memory behind the
@@ -276,9 +286,23 @@ class Comm {
   virtual void place_expert_rows(const Dispatched& d, ExpertDispatched& out, const at::Tensor& needed);
   // A combine handle's tensor fields: device, dtype, contiguity, shape.
   void check_handle_fields(const char* op, const at::Tensor& recv_src, const at::Tensor& counts,
-                           const at::Tensor& src_tokens, const at::Tensor& send_mask) const;
+                           const at::Tensor& src_tokens, const at::Tensor& send_mask,
+                           const at::Tensor& dispatch_round) const;
 
-  std::string timeout_message(int op, int peer, uint64_t gen) const;
+  // The call being run (calls.h: its fields; each round stamps its number):
+  // set by the ops before their first round, read by the transports. A
+  // combine's value, the round of the dispatch its handle comes from, is the
+  // transport's to add (it lies in handle.dispatch_round, on the device on
+  // GPUs): call_ holds 0 there.
+  uint64_t call_ = 0;
+  // "all_reduce(dtype=torch.float32, numel=1024)", from a call word.
+  static std::string call_name(uint64_t word);
+  // Rank `peer`'s word of round `round` differs from this rank's `mine`.
+  std::string mismatch_message(uint64_t round, uint64_t mine, int peer, uint64_t theirs) const;
+  // A wait of round `round` (this rank's call word `mine`) on `peer` timed
+  // out; `peer_words` are the peer's two call slots in this rank's memory,
+  // which tell whether it made this round's call at all.
+  std::string timeout_message(int op, int peer, uint64_t round, uint64_t mine, const uint64_t peer_words[2]) const;
   // The handle is user input: every value that picks a row, a chunk or a
   // rank is checked before the first protocol step, so a bad one raises a
   // ValueError and the communicator stays usable. For handles the host can
@@ -325,11 +349,13 @@ class Comm {
                                  c10::optional<at::ScalarType> weights_dtype) const;
   // combine once y [W*cap, H] and the handle's fields have passed its checks.
   at::Tensor combine_checked(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
-                             const at::Tensor& src_tokens, const at::Tensor& send_mask);
-  // dispatch; with rows_stay, the rows left where they are (Dispatched::peer_rows_in_heap).
+                             const at::Tensor& src_tokens, const at::Tensor& send_mask,
+                             const at::Tensor& dispatch_round);
+  // dispatch (for the expert layout with expert_layout); with rows_stay, the
+  // rows left where they are (Dispatched::peer_rows_in_heap).
   Dispatched dispatch_rows(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales,
                            const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights,
-                           bool rows_stay);
+                           bool expert_layout, bool rows_stay);
   // The chunk loop of all_reduce: n elements of dtype st from in to out.
   void all_reduce_into(at::ScalarType st, const char* in, char* out, int64_t n, bool gpu);
 };

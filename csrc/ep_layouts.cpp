@@ -55,7 +55,8 @@ std::array<OutputSpec, kDispatchOutputs> Comm::dispatch_outputs(at::ScalarType i
            {{cfg_.world, 0}, 1, at::kInt},
            {{rows, 0}, 1, at::kInt},
            {{cfg_.world, 0}, 1, at::kInt},
-           {{kTokenDim, 0}, 1, at::kInt}}};
+           {{kTokenDim, 0}, 1, at::kInt},
+           {{1, 0}, 1, at::kLong}}};
 }
 
 OutputSpec Comm::combine_output() const { return {{kTokenDim, cfg_.hidden}, 2, cfg_.dtype}; }
@@ -69,8 +70,8 @@ Dispatched Comm::allocate_dispatched(int64_t ntok, at::ScalarType idx_dtype,
                                      c10::optional<at::ScalarType> weights_dtype) const {
   const auto specs = dispatch_outputs(idx_dtype, weights_dtype);
   Dispatched d;
-  at::Tensor* fields[kDispatchOutputs] = {&d.x, &d.topk_idx, &d.topk_weights, &d.counts,
-                                          &d.recv_src, &d.src_tokens, &d.send_mask};
+  at::Tensor* fields[kDispatchOutputs] = {&d.x,        &d.topk_idx,   &d.topk_weights, &d.counts,
+                                          &d.recv_src, &d.src_tokens, &d.send_mask,    &d.dispatch_round};
   for (int i = 0; i < kDispatchOutputs; ++i) *fields[i] = empty_output(specs[i], ntok);
   if (cfg_.fp8()) d.x_scales = empty_output(dispatch_scales_output(false), ntok);
   return d;
@@ -92,7 +93,8 @@ std::array<OutputSpec, kExpertDispatchOutputs> Comm::dispatch_expert_outputs(
            {{cfg_.world, 0}, 1, at::kInt},
            {{cfg_.world, 0}, 1, at::kInt},
            {{kTokenDim, 0}, 1, at::kInt},
-           {{rows, cfg_.topk}, 2, at::kInt}}};
+           {{rows, cfg_.topk}, 2, at::kInt},
+           {{1, 0}, 1, at::kLong}}};
 }
 
 // Received row j of the rank layout goes to one expert row per distinct
@@ -104,7 +106,7 @@ std::array<OutputSpec, kExpertDispatchOutputs> Comm::dispatch_expert_outputs(
 // expert_rows is dropped (check_expert_rows_later raises for it).
 ExpertDispatched Comm::dispatch_expert(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales,
                                        const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights) {
-  Dispatched d = dispatch_rows(x, x_scales, topk_idx, topk_weights, places_from_heap());
+  Dispatched d = dispatch_rows(x, x_scales, topk_idx, topk_weights, true, places_from_heap());
   const bool weights = topk_weights.has_value();
   const int64_t E = cfg_.experts_per_rank(), n = cfg_.expert_rows(), R = d.topk_idx.size(0), K = cfg_.topk;
   ExpertDispatched out;
@@ -121,6 +123,7 @@ ExpertDispatched Comm::dispatch_expert(const at::Tensor& x, const c10::optional<
   out.counts = d.counts;
   out.src_tokens = d.src_tokens;
   out.send_mask = d.send_mask;
+  out.dispatch_round = d.dispatch_round;
   return out;
 }
 
@@ -209,7 +212,8 @@ void Comm::expert_layout_on_host(const Dispatched& d, ExpertDispatched& out, con
 }
 
 at::Tensor Comm::combine_expert(const at::Tensor& y, const at::Tensor& expert_rows_of, const at::Tensor& recv_src,
-                                const at::Tensor& counts, const at::Tensor& src_tokens, const at::Tensor& send_mask) {
+                                const at::Tensor& counts, const at::Tensor& src_tokens, const at::Tensor& send_mask,
+                                const at::Tensor& dispatch_round) {
   check();
   static const char* op = "combine";
   check_ep(cfg_, op);
@@ -222,7 +226,7 @@ at::Tensor Comm::combine_expert(const at::Tensor& y, const at::Tensor& expert_ro
   check_dtype(op, "handle.expert_rows_of", expert_rows_of, at::kInt);
   check_shape(op, "handle.expert_rows_of", expert_rows_of, {R, K}, "[world_size * max_tokens_per_rank, topk]");
   // counts picks the rows summed: its device, dtype and shape first.
-  check_handle_fields(op, recv_src, counts, src_tokens, send_mask);
+  check_handle_fields(op, recv_src, counts, src_tokens, send_mask, dispatch_round);
   // Each received row: its expert rows summed in fp32 in ascending expert
   // order, from the first, rounded once. A value outside [0, n) (a forged
   // handle) names no row, and a forged count reads no row outside [0, R):
@@ -258,7 +262,8 @@ at::Tensor Comm::combine_expert(const at::Tensor& y, const at::Tensor& expert_ro
 #endif
   }
   // rows is this op's own, and the handle's fields were checked above.
-  return combine_checked(rows, recv_src, counts, src_tokens, send_mask);
+  call_ = combine_call(true, 0);
+  return combine_checked(rows, recv_src, counts, src_tokens, send_mask, dispatch_round);
 }
 
 }  // namespace rdna4_comm

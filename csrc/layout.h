@@ -42,6 +42,7 @@ struct Layout {
   size_t combine_flags = 0;    // [2][W][max_chunks] u64
   size_t probe_flags = 0;      // [W] u64
   size_t call_slots = 0;       // [2][W] u64: each source's call word of a round (calls.h)
+  size_t mismatches = 0;       // [W][2] u64, own use: this rank's and a peer's differing call words
   size_t signal_bytes = 0;
 
   size_t ar_inbox = 0;       // [2][W][ar_slot_bytes]: input (one-shot) or scatter share (two-shot)
@@ -79,6 +80,9 @@ struct Layout {
   }
   RC_HD uint64_t* call_slot(char* sig, uint64_t round, int src) const {
     return reinterpret_cast<uint64_t*>(sig + call_slots) + size_t(round & 1) * world + src;
+  }
+  RC_HD uint64_t* mismatch(char* sig, int peer) const {
+    return reinterpret_cast<uint64_t*>(sig + mismatches) + size_t(peer) * 2;
   }
   RC_HD char* ar_slot(char* data, uint64_t gen, int src) const {
     return data + ar_inbox + (size_t(gen & 1) * world + src) * size_t(ar_slot_bytes);
@@ -137,6 +141,7 @@ inline Layout make_layout(const HeapConfig& c) {
   l.combine_flags = take(sizeof(uint64_t) * 2 * W * size_t(l.max_chunks));
   l.probe_flags = take(sizeof(uint64_t) * W);
   l.call_slots = take(sizeof(uint64_t) * 2 * W);
+  l.mismatches = take(sizeof(uint64_t) * 2 * W);
   l.signal_bytes = off;
 
   off = 0;

@@ -58,15 +58,16 @@ auto run_dispatch(c10::string_view comm, const at::Tensor& order, bool fp8, Op o
   return after_earlier_checks(c, [&] { return op(*c); });
 }
 
-using RankTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-using ExpertTuple =
-    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using RankTuple =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using ExpertTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                               at::Tensor, at::Tensor, at::Tensor>;
 RankTuple fields(const Dispatched& d) {
-  return {d.x, d.topk_idx, d.topk_weights, d.counts, d.recv_src, d.src_tokens, d.send_mask};
+  return {d.x, d.topk_idx, d.topk_weights, d.counts, d.recv_src, d.src_tokens, d.send_mask, d.dispatch_round};
 }
 ExpertTuple fields(const ExpertDispatched& d) {
-  return {d.x, d.expert_counts, d.expert_offsets, d.topk_weights, d.recv_src, d.counts, d.src_tokens, d.send_mask,
-          d.expert_rows_of};
+  return {d.x,         d.expert_counts, d.expert_offsets, d.topk_weights,   d.recv_src,
+          d.counts,    d.src_tokens,    d.send_mask,      d.expert_rows_of, d.dispatch_round};
 }
 
 RankTuple dispatch_op(const at::Tensor& x, const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights,
@@ -105,19 +106,21 @@ decltype(with_scales(ExpertDispatched{})) dispatch_expert_fp8_op(const at::Tenso
 
 at::Tensor combine_expert_op(const at::Tensor& y, const at::Tensor& expert_rows_of, const at::Tensor& recv_src,
                              const at::Tensor& counts, const at::Tensor& src_tokens, const at::Tensor& send_mask,
-                             at::Tensor& order, c10::string_view comm) {
+                             const at::Tensor& dispatch_round, at::Tensor& order, c10::string_view comm) {
   auto c = find_comm(std::string(comm));
   check_order_token("combine", order, c->device());
-  return after_earlier_checks(
-      c, [&] { return c->combine_expert(y, expert_rows_of, recv_src, counts, src_tokens, send_mask); });
+  return after_earlier_checks(c, [&] {
+    return c->combine_expert(y, expert_rows_of, recv_src, counts, src_tokens, send_mask, dispatch_round);
+  });
 }
 
 at::Tensor combine_op(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
-                      const at::Tensor& src_tokens, const at::Tensor& send_mask, at::Tensor& order,
-                      c10::string_view comm) {
+                      const at::Tensor& src_tokens, const at::Tensor& send_mask, const at::Tensor& dispatch_round,
+                      at::Tensor& order, c10::string_view comm) {
   auto c = find_comm(std::string(comm));
   check_order_token("combine", order, c->device());
-  return after_earlier_checks(c, [&] { return c->combine(y, recv_src, counts, src_tokens, send_mask); });
+  return after_earlier_checks(c,
+                              [&] { return c->combine(y, recv_src, counts, src_tokens, send_mask, dispatch_round); });
 }
 
 std::tuple<at::Tensor, at::Tensor> all_reduce_rmsnorm_op(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
@@ -252,7 +255,7 @@ bool plain_call(const Schema& schema, const py::args& args, const py::kwargs& kw
 // no reference count; a tensor's or float's value is a field of its object,
 // and the str's text is taken here.
 struct Args {
-  static constexpr size_t kMost = 8;
+  static constexpr size_t kMost = 9;
   PyObject* item[kMost];
   c10::string_view comm;  // the call's str argument, the communicator's id
   Args(const py::args& args, const Schema& schema) {
@@ -304,7 +307,8 @@ void def_all(py::module_& m) {
     return dispatch_fp8_op(a.tensor(0), a.optional(1), a.tensor(2), a.optional(3), a.order(4), a.comm);
   });
   def(m, "combine", [](const Args& a) {
-    return combine_op(a.tensor(0), a.tensor(1), a.tensor(2), a.tensor(3), a.tensor(4), a.order(5), a.comm);
+    return combine_op(a.tensor(0), a.tensor(1), a.tensor(2), a.tensor(3), a.tensor(4), a.tensor(5), a.order(6),
+                      a.comm);
   });
   def(m, "dispatch_expert", [](const Args& a) {
     return dispatch_expert_op(a.tensor(0), a.tensor(1), a.optional(2), a.order(3), a.comm);
@@ -314,7 +318,7 @@ void def_all(py::module_& m) {
   });
   def(m, "combine_expert", [](const Args& a) {
     return combine_expert_op(a.tensor(0), a.tensor(1), a.tensor(2), a.tensor(3), a.tensor(4), a.tensor(5),
-                             a.order(6), a.comm);
+                             a.tensor(6), a.order(7), a.comm);
   });
   def(m, "all_reduce_rmsnorm", [](const Args& a) {
     return all_reduce_rmsnorm_op(a.tensor(0), a.optional(1), a.tensor(2), a.real(3), a.order(4), a.comm);
@@ -332,26 +336,26 @@ TORCH_LIBRARY(rdna4_comm, m) {
   m.def(
       "dispatch(Tensor x, Tensor topk_idx, Tensor? topk_weights, Tensor(a!) order, str comm) -> "
       "(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor counts, Tensor recv_src, "
-      "Tensor src_tokens, Tensor send_mask)");
+      "Tensor src_tokens, Tensor send_mask, Tensor dispatch_round)");
   m.def(
       "dispatch_fp8(Tensor x, Tensor? x_scales, Tensor topk_idx, Tensor? topk_weights, Tensor(a!) order, "
       "str comm) -> (Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor counts, Tensor recv_src, "
-      "Tensor src_tokens, Tensor send_mask, Tensor x_scales)");
+      "Tensor src_tokens, Tensor send_mask, Tensor dispatch_round, Tensor x_scales)");
   m.def(
       "combine(Tensor y, Tensor recv_src, Tensor counts, Tensor src_tokens, Tensor send_mask, "
-      "Tensor(a!) order, str comm) -> Tensor");
+      "Tensor dispatch_round, Tensor(a!) order, str comm) -> Tensor");
   m.def(
       "dispatch_expert(Tensor x, Tensor topk_idx, Tensor? topk_weights, Tensor(a!) order, str comm) -> "
       "(Tensor x, Tensor expert_counts, Tensor expert_offsets, Tensor topk_weights, Tensor recv_src, "
-      "Tensor counts, Tensor src_tokens, Tensor send_mask, Tensor expert_rows_of)");
+      "Tensor counts, Tensor src_tokens, Tensor send_mask, Tensor expert_rows_of, Tensor dispatch_round)");
   m.def(
       "dispatch_expert_fp8(Tensor x, Tensor? x_scales, Tensor topk_idx, Tensor? topk_weights, Tensor(a!) order, "
       "str comm) -> (Tensor x, Tensor expert_counts, Tensor expert_offsets, Tensor topk_weights, "
       "Tensor recv_src, Tensor counts, Tensor src_tokens, Tensor send_mask, Tensor expert_rows_of, "
-      "Tensor x_scales)");
+      "Tensor dispatch_round, Tensor x_scales)");
   m.def(
       "combine_expert(Tensor y, Tensor expert_rows_of, Tensor recv_src, Tensor counts, Tensor src_tokens, "
-      "Tensor send_mask, Tensor(a!) order, str comm) -> Tensor");
+      "Tensor send_mask, Tensor dispatch_round, Tensor(a!) order, str comm) -> Tensor");
   m.def(
       "all_reduce_rmsnorm(Tensor x, Tensor? residual, Tensor weight, float eps, Tensor(a!) order, str comm) -> "
       "(Tensor out, Tensor residual_out)");
@@ -390,7 +394,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](std::string id, std::string transport, std::string group_name, int rank, int world,
                        int64_t cap, int64_t hidden, int64_t topk, int64_t num_experts, at::ScalarType dtype,
                        int64_t ar_slot_bytes, int64_t timeout_ms, int device_index, int64_t expert_alignment,
-                       int64_t max_expert_rows, c10::optional<at::ScalarType> dispatch_dtype) {
+                       int64_t max_expert_rows, c10::optional<at::ScalarType> dispatch_dtype,
+                       bool dist_check_calls) {
              TORCH_CHECK_VALUE(!dispatch_dtype || *dispatch_dtype == at::kFloat8_e4m3fn,
                                "Communicator: dispatch_dtype must be None or torch.float8_e4m3fn, got ",
                                dtype_name(*dispatch_dtype));
@@ -411,12 +416,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              c.expert_alignment = expert_alignment;
              c.max_expert_rows = max_expert_rows;
              c.dispatch_dtype = dispatch_dtype.value_or(at::ScalarType::Undefined);
+             c.dist_check_calls = dist_check_calls;
              return c;
            }),
            py::kw_only(), py::arg("id"), py::arg("transport"), py::arg("group_name"), py::arg("rank"),
            py::arg("world"), py::arg("cap"), py::arg("hidden"), py::arg("topk"), py::arg("num_experts"),
            py::arg("dtype"), py::arg("ar_slot_bytes"), py::arg("timeout_ms"), py::arg("device_index"),
-           py::arg("expert_alignment") = 1, py::arg("max_expert_rows") = 0, py::arg("dispatch_dtype") = py::none())
+           py::arg("expert_alignment") = 1, py::arg("max_expert_rows") = 0, py::arg("dispatch_dtype") = py::none(),
+           py::arg("dist_check_calls") = false)
       .def_readonly("id", &CommConfig::id)
       .def_readonly("transport", &CommConfig::transport)
       .def_readonly("group_name", &CommConfig::group_name)
@@ -431,6 +438,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("timeout_ms", &CommConfig::timeout_ms)
       .def_readonly("device_index", &CommConfig::device_index)
       .def_readonly("expert_alignment", &CommConfig::expert_alignment)
+      .def_readonly("dist_check_calls", &CommConfig::dist_check_calls)
       .def_property_readonly("dispatch_dtype", [](const CommConfig& c) -> c10::optional<at::ScalarType> {
         if (c.fp8()) return c.dispatch_dtype;
         return c10::nullopt;
@@ -567,6 +575,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return std::make_pair(l.signal_bytes, l.data_bytes);
   }, py::arg("world"), py::arg("cap"), py::arg("hidden"), py::arg("topk"), py::arg("elt"), py::arg("slot_bytes"));
   m.def("rmsnorm_path_counts", &rmsnorm_path_counts, "Calls of all_reduce_rmsnorm by path");
+  // The call words of calls.h, for the tests.
+  py::module_ calls = m.def_submodule("calls", "Call words (csrc/calls.h)");
+  calls.def("all_reduce", [](int dtype, int64_t numel) { return all_reduce_call(dtype, numel); });
+  calls.def("rmsnorm", [](int dtype, bool residual, int64_t hidden, int64_t rows) {
+    return rmsnorm_call(dtype, residual, hidden, rows);
+  });
+  calls.def("dispatch", [](bool expert_layout, bool fp8_pair) { return dispatch_call(expert_layout, fp8_pair); });
+  calls.def("combine", [](bool expert_layout, uint64_t round) { return combine_call(expert_layout, round); });
+  calls.def("stamp", [](uint64_t fields, uint64_t round) { return call_word(fields, round); });
+  calls.def("of_round", [](uint64_t word, uint64_t round) { return call_of_round(word, round); });
   // The fused op's gate: the predicates the op itself uses (protocol.h).
   m.def("rmsnorm_path", [](int64_t tokens, int64_t hidden, int64_t elt, int world, bool gpu, int64_t slot_bytes) {
     return std::string(rmsnorm_path_name(rmsnorm_path(tokens, hidden, elt, world, gpu, slot_bytes)));

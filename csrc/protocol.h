@@ -229,17 +229,21 @@ RC_HD void allreduce_piece(int64_t n, int elt, int b, int blocks, int64_t* e0, i
 }
 
 // A kernel that gives up on a peer leaves one 64-bit word in host-mapped
-// memory: bit 63 set, op in bits 56..62, peer in 48..55, generation below.
-RC_HD uint64_t encode_timeout(int op, int peer, uint64_t gen) {
+// memory: bit 63 set, op in bits 56..62, peer in 48..55, the round (calls.h) below.
+RC_HD uint64_t encode_timeout(int op, int peer, uint64_t round) {
   return (uint64_t(1) << 63) | (uint64_t(op) << 56) | (uint64_t(peer & 0xff) << 48) |
-         (gen & 0xffffffffffffull);
+         (round & 0xffffffffffffull);
 }
 // The host's peer watchdog (GPU transport) leaves the same word, with this
 // op, when a peer's process exits: spinning kernels then stop at once.
 constexpr int kOpPeerExited = 0x7f;
+// A kernel that found a peer's call word of a round differ from its own
+// leaves the same word with this op (the two words: Layout::mismatch).
+constexpr int kOpCallMismatch = 0x7d;
+RC_HD uint64_t encode_mismatch(int peer, uint64_t round) { return encode_timeout(kOpCallMismatch, peer, round); }
 RC_HD int timeout_op(uint64_t word) { return int((word >> 56) & 0x7f); }
 RC_HD int timeout_peer(uint64_t word) { return int((word >> 48) & 0xff); }
-RC_HD uint64_t timeout_gen(uint64_t word) { return word & 0xffffffffffffull; }
+RC_HD uint64_t timeout_round(uint64_t word) { return word & 0xffffffffffffull; }
 
 // Dispatch handles are user input. A combine kernel that finds a value out
 // of range leaves this word, with this op: the handle field in bits 54..55,

@@ -62,8 +62,8 @@ class EpMethods:
                 *out, scales = op_callable("dispatch_expert_fp8")(x, x_scales, topk_idx, topk_weights, self._order, self.id)
             else:
                 out, scales = op_callable("dispatch_expert")(x, topk_idx, topk_weights, self._order, self.id), None
-            rx, ecounts, eoffsets, rw, recv_src, counts, src_tokens, send_mask, rows_of = out
-            handle = DispatchHandle(recv_src, counts, src_tokens, send_mask, self.id, tokens, rows_of)
+            rx, ecounts, eoffsets, rw, recv_src, counts, src_tokens, send_mask, rows_of, dispatch_round = out
+            handle = DispatchHandle(recv_src, counts, src_tokens, send_mask, self.id, tokens, rows_of, dispatch_round)
             return ExpertDispatched(rx, ecounts, eoffsets, rw if topk_weights is not None else None, handle, scales)
         if layout != "rank":
             raise ValueError(f"dispatch: layout must be one of {LAYOUTS}, got {layout!r}")
@@ -71,8 +71,8 @@ class EpMethods:
             *out, scales = op_callable("dispatch_fp8")(x, x_scales, topk_idx, topk_weights, self._order, self.id)
         else:
             out, scales = op_callable("dispatch")(x, topk_idx, topk_weights, self._order, self.id), None
-        rx, ridx, rw, counts, recv_src, src_tokens, send_mask = out
-        handle = DispatchHandle(recv_src, counts, src_tokens, send_mask, self.id, tokens)
+        rx, ridx, rw, counts, recv_src, src_tokens, send_mask, dispatch_round = out
+        handle = DispatchHandle(recv_src, counts, src_tokens, send_mask, self.id, tokens, None, dispatch_round)
         return Dispatched(rx, ridx, rw if topk_weights is not None else None, counts, handle, scales)
 
     def _fp8_pair(self, pair) -> tuple:
@@ -125,14 +125,18 @@ class EpMethods:
                 f"combine: handle.token_shape {tuple(shape)} holds {math.prod(shape)} "
                 f"tokens but handle.send_mask has {handle.send_mask.shape[0]}: the fields come from different dispatches"
             )
+        if handle.dispatch_round is None:
+            raise ValueError("combine: handle.dispatch_round is None: the handle must come from a dispatch of this "
+                             "communicator (rdna4_comm.reference's handles describe rows, not a dispatch)")
         if handle.expert_rows_of is not None:
             out = op_callable("combine_expert", compiling)(
                 y, handle.expert_rows_of, handle.recv_src, handle.counts, handle.src_tokens, handle.send_mask,
-                self._order, self.id
+                handle.dispatch_round, self._order, self.id
             )
         else:
             out = op_callable("combine", compiling)(
-                y, handle.recv_src, handle.counts, handle.src_tokens, handle.send_mask, self._order, self.id
+                y, handle.recv_src, handle.counts, handle.src_tokens, handle.send_mask, handle.dispatch_round,
+                self._order, self.id
             )
         # The op returns [T, H]: a flat dispatch needs no view (an op call of
         # its own, on the eager path's host time).

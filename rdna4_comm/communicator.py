@@ -101,6 +101,12 @@ class Communicator(EpMethods):
             a name of your own (the same on every rank, unique among this
             process's open communicators) keeps compiled graphs valid in
             another process, e.g. one loaded from a compile cache.
+        dist_check_calls: transport "dist" only: check before each op
+            that every rank makes the same call (op, dtype, sizes, the
+            dispatch a combine's handle comes from), at the cost of one more
+            collective per op and, on GPUs, a host synchronisation. The P2P
+            transports always check, at no such cost (docs/semantics.md,
+            "Calls that disagree").
 
     Heap size per rank: about ``4 * W * allreduce_slot_bytes`` plus, with EP
     fields, ``2 * W * cap * (2*H*elt + 8*K + 4)`` bytes (FP8 dispatch:
@@ -132,6 +138,7 @@ class Communicator(EpMethods):
         max_expert_rows: Optional[int] = None,
         dispatch_dtype: Optional[torch.dtype] = None,
         name: Optional[str] = None,
+        dist_check_calls: bool = False,
     ):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -181,6 +188,8 @@ class Communicator(EpMethods):
             except ValueError:
                 raise ValueError(f"RDNA4_COMM_TIMEOUT_MS must be a positive integer (milliseconds), got {env!r}") from None
         timeout_ms = _positive_int("timeout_ms", timeout_ms)
+        if not isinstance(dist_check_calls, bool):
+            raise TypeError(f"Communicator: dist_check_calls must be a bool, got {dist_check_calls!r}")
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"Communicator: name must be a non-empty str, got {name!r}")
         comm_id = name if name is not None else f"rdna4_comm.{os.getpid()}.{next(_ids)}"
@@ -194,8 +203,9 @@ class Communicator(EpMethods):
         # The fields that shape the symmetric heap: a rank with another cap,
         # hidden or dispatch_dtype would lay its rows out otherwise and write
         # past its peers' buffers, so every rank checks that all agree.
-        heap_fields = dict(max_tokens_per_rank=cap, hidden=hidden, topk=topk, num_experts=num_experts,
-                           dtype=dtype if cap else None, dispatch_dtype=dispatch_dtype if cap else None,
+        # A communicator without EP fields has None there, as it was given.
+        heap_fields = dict(max_tokens_per_rank=cap or None, hidden=hidden or None, topk=topk or None,
+                           num_experts=num_experts or None, dtype=dtype if cap else None, dispatch_dtype=dispatch_dtype if cap else None,
                            expert_alignment=expert_alignment, max_expert_rows=max_expert_rows,
                            allreduce_slot_bytes=allreduce_slot_bytes)
         hello = rendezvous.exchange("hello", dict(report=rank_report(), pid=os.getpid(),
@@ -233,7 +243,7 @@ class Communicator(EpMethods):
         settings = dict(rank=self.rank, world=self.world_size, cap=cap, hidden=hidden, topk=topk,
                         num_experts=num_experts, dtype=dtype, timeout_ms=timeout_ms,
                         expert_alignment=expert_alignment, max_expert_rows=max_expert_rows or 0,
-                        dispatch_dtype=dispatch_dtype)
+                        dispatch_dtype=dispatch_dtype, dist_check_calls=dist_check_calls)
         # "dist" runs on the GPUs when every rank has one, else on the CPU.
         on_gpu = all(rep.gpu is not None for rep in reports) and choice.transport != "cpu"
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")

@@ -136,16 +136,16 @@ def _dispatch_expert_fp8_fake(x, x_scales, topk_idx, topk_weights, order, comm):
 
 
 @torch.library.register_fake("rdna4_comm::combine_expert")
-def _combine_expert_fake(y, expert_rows_of, recv_src, counts, src_tokens, send_mask, order, comm):
+def _combine_expert_fake(y, expert_rows_of, recv_src, counts, src_tokens, send_mask, dispatch_round, order, comm):
     _check_devices(comm, "combine", y=y, expert_rows_of=expert_rows_of, recv_src=recv_src, counts=counts,
-                   src_tokens=src_tokens, send_mask=send_mask, order=order)
+                   src_tokens=src_tokens, send_mask=send_mask, dispatch_round=dispatch_round, order=order)
     return _new_output(y, _C.combine_output(comm), send_mask.shape[0])
 
 
 @torch.library.register_fake("rdna4_comm::combine")
-def _combine_fake(y, recv_src, counts, src_tokens, send_mask, order, comm):
+def _combine_fake(y, recv_src, counts, src_tokens, send_mask, dispatch_round, order, comm):
     _check_devices(comm, "combine", y=y, recv_src=recv_src, counts=counts, src_tokens=src_tokens,
-               send_mask=send_mask, order=order)
+                   send_mask=send_mask, dispatch_round=dispatch_round, order=order)
     return _new_output(y, _C.combine_output(comm), send_mask.shape[0])
 
 

@@ -23,6 +23,9 @@ class DispatchHandle(NamedTuple):
     - ``expert_rows_of``: None for the rank layout; for the expert layout
       [W*cap, K] int32, each received row's rows of the expert-layout ``x``
       in ascending local expert order, then -1.
+    - ``dispatch_round``: [1] int64 on the op's device, the dispatch's round
+      on its communicator, the same on every rank: combine checks that every
+      rank combines the same dispatch (docs/semantics.md, "Calls that disagree").
     """
 
     recv_src: torch.Tensor
@@ -32,6 +35,7 @@ class DispatchHandle(NamedTuple):
     comm_id: str
     token_shape: tuple
     expert_rows_of: Optional[torch.Tensor] = None
+    dispatch_round: Optional[torch.Tensor] = None
 
 
 class Dispatched(NamedTuple):

@@ -116,3 +116,23 @@ def short_timeout_ms(transport: str) -> int:
     too, and a dist communicator's construction connects a process group of
     its own, which takes seconds on a loaded 2-core machine."""
     return 5000 if transport == "dist" else SHORT_TIMEOUT_MS
+
+
+# opcheck of the dispatch ops. Their output dispatch_round is the round the
+# call ran as (docs/semantics.md, "Calls that disagree"), so two calls with
+# the same arguments differ there, and opcheck's AOT test, which compares
+# an eager call with a traced one, would fail on it: that test is replaced
+# by the same comparison of every other output, and the rounds consecutive.
+DISPATCH_OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor")
+
+
+def opcheck_dispatch(op, args, test_utils=DISPATCH_OPCHECK_TESTS) -> None:
+    torch.library.opcheck(op, args, test_utils=test_utils)
+    names = [r.name for r in op._schema.returns]
+    at = names.index("dispatch_round")
+    eager = op(*args)
+    traced = torch.compile(lambda *a: op(*a), backend="aot_eager", fullgraph=True, dynamic=True)(*args)
+    for name, a, b in zip(names, eager, traced):
+        if name != "dispatch_round":
+            assert_bitwise(b, a, f"{op} output {name}, traced")
+    assert int(traced[at]) == int(eager[at]) + 1, (int(eager[at]), int(traced[at]))

@@ -93,11 +93,11 @@ def t_both_paths(ctx):
         moded = _C.eager.dispatch(x, idx, w, comm._order, comm.id)
     Tagged.seen = 0
     tagged = _C.eager.dispatch(x.as_subclass(Tagged), idx, w, comm._order, comm.id)
-    handle = fast[3:]  # counts, recv_src, src_tokens, send_mask
+    counts, recv_src, src_tokens, send_mask, dispatch_round = fast[3:]
     y = fast[0]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        out = _C.eager.combine(y, handle[1], handle[0], handle[2], handle[3], comm._order, comm.id)
-    out_op = ops.combine.default(y, handle[1], handle[0], handle[2], handle[3], comm._order, comm.id)
+        out = _C.eager.combine(y, recv_src, counts, src_tokens, send_mask, dispatch_round, comm._order, comm.id)
+    out_op = ops.combine.default(y, recv_src, counts, src_tokens, send_mask, dispatch_round, comm._order, comm.id)
     names = {e.name for e in prof.events()}
     ar = _C.eager.all_reduce(rand(3, ctx.rank, (16,)).to(ctx.device), comm._order, comm.id)
     return ([t.cpu() for t in fast], [t.cpu() for t in slow], [t.cpu() for t in moded], [t.cpu() for t in tagged],
@@ -109,7 +109,9 @@ def test_eager_entry_points_give_the_ops_results_and_keep_modes_subclasses_and_p
     ref_ar = rc.reference.all_reduce([rand(3, r, (16,)) for r in range(world_small.size)])
     for fast, slow, moded, tagged, mode_ops, seen, profiled, out, out_op, ar in results:
         received = int(fast[3].sum())
-        for a, b, c, d in zip(fast, slow, moded, tagged):
+        # dispatch_round, the last output, counts the four dispatches.
+        assert [int(o[-1]) for o in (fast, slow, moded, tagged)] == [int(fast[-1]) + i for i in range(4)]
+        for a, b, c, d in zip(fast[:-1], slow[:-1], moded[:-1], tagged[:-1]):
             if a.dim() == 2 and a.dtype == torch.bfloat16:  # x: its padding rows are unspecified
                 a, b, c, d = (t[:received] for t in (a, b, c, d))
             assert_bitwise(a, b)

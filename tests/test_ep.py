@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from common import ROUTINGS, assert_bitwise, assert_dispatched, ep_inputs, examples, expert_fn, rand
+from common import ROUTINGS, assert_bitwise, assert_dispatched, ep_inputs, examples, expert_fn, opcheck_dispatch, rand
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -252,12 +252,12 @@ def t_opcheck(ctx, cfg):
         x, idx, w = ep_inputs(3, ctx.rank, ctx.world, cfg["max_tokens_per_rank"], ref_cfg(cfg), "every_rank", weights)
         token = rc.ops.order_token(dev)
         args = (x.to(dev), idx.to(dev), None if w is None else w.to(dev), token, comm.id)
-        torch.library.opcheck(torch.ops.rdna4_comm.dispatch.default, args)
+        opcheck_dispatch(torch.ops.rdna4_comm.dispatch.default, args)
         d = comm.dispatch(*args[:3])
         h = d.handle
         y = expert_fn(d.x, ctx.rank)
         torch.library.opcheck(torch.ops.rdna4_comm.combine.default,
-                              (y, h.recv_src, h.counts, h.src_tokens, h.send_mask, token, comm.id))
+                              (y, h.recv_src, h.counts, h.src_tokens, h.send_mask, h.dispatch_round, token, comm.id))
     return True
 
 

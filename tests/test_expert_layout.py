@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from common import ROUTINGS, assert_bitwise, ep_inputs, examples, expert_fn
+from common import ROUTINGS, assert_bitwise, ep_inputs, examples, expert_fn, opcheck_dispatch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -262,10 +262,11 @@ def t_opcheck(ctx, cfg):
     d = comm.dispatch(*args[:3], layout="expert")
     # Every pair row is compared; rows past expert_offsets[-1] are unspecified, so the case fills x exactly.
     assert int(d.expert_offsets[-1]) == comm.expert_rows
-    torch.library.opcheck(torch.ops.rdna4_comm.dispatch_expert.default, args)
+    opcheck_dispatch(torch.ops.rdna4_comm.dispatch_expert.default, args)
     h = d.handle
     torch.library.opcheck(torch.ops.rdna4_comm.combine_expert.default,
-                          (d.x, h.expert_rows_of, h.recv_src, h.counts, h.src_tokens, h.send_mask, token, comm.id))
+                          (d.x, h.expert_rows_of, h.recv_src, h.counts, h.src_tokens, h.send_mask, h.dispatch_round,
+                           token, comm.id))
     return True
 
 

@@ -292,6 +292,7 @@ def t_bad_inputs(ctx):
     cases = {
         "weight_shape": lambda: f(x, res, w[:8], EPS),
         "weight_dtype": lambda: f(x, res, w.half(), EPS),
+        "weight_dtype_fp32_x": lambda: f(x.float(), res.float(), w, EPS),
         "residual_shape": lambda: f(x, res[:3], w, EPS),
         "residual_dtype": lambda: f(x, res.float(), w, EPS),
         "eps_zero": lambda: f(x, res, w, 0.0),
@@ -313,7 +314,8 @@ def test_bad_inputs_raise_clear_errors_and_leave_the_communicator_usable(world_s
     (_, ref_res), _ = expected(4, world_small.size, 6, 16, torch.bfloat16, True, torch.bfloat16)
     want = {
         "weight_shape": ("ValueError", "weight must have shape [16]"),
-        "weight_dtype": ("TypeError", "weight must be torch.bfloat16 (x's dtype) or torch.float32"),
+        "weight_dtype": ("TypeError", "weight must be torch.bfloat16 (x's dtype) or torch.float32, got torch.float16"),
+        "weight_dtype_fp32_x": ("TypeError", "weight must be torch.float32 (x's dtype), got torch.bfloat16"),
         "residual_shape": ("ValueError", "residual must have shape [6, 16]"),
         "residual_dtype": ("TypeError", "residual must be torch.bfloat16"),
         "eps_zero": ("ValueError", "eps must be a finite float > 0"),
@@ -366,6 +368,7 @@ def test_a_rank_that_skips_the_call_makes_the_others_raise(world_small):
             assert "all_reduce" in message and "in torch.distributed" in message, message
         else:
             assert "all_reduce_rmsnorm" in message and f"waiting for rank {skipper}" in message, message
+            assert f"Rank {skipper} had not made this call" in message, message
         assert "timed out" in message and elapsed < short_timeout_ms(world_small.transport) / 1000 + 5
 
 

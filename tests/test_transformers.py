@@ -101,9 +101,10 @@ def t_moe(ctx, model, experts_implementation, dtype, seed, compiled, layout="exp
                 raise AssertionError("the experts module's forward ran: it sorts the rows by expert again")
 
             ep.experts.forward = sorting_forward
-            # Releases of transformers before the post-expert norm (5.17, on
-            # the GPU machines here) set no flag for it.
-            if not ep.experts.has_post_expert_norm:
+            # Releases of transformers before the post-expert norm (5.17 on
+            # the GPU machines here, 5.19 beside vLLM 0.32) set no flag for
+            # it: where it is set and off, it goes, as those have it.
+            if getattr(ep.experts, "has_post_expert_norm", None) is False:
                 del ep.experts.has_post_expert_norm
         eager = [ep(x) for x in xs]
         fast, graphs = [None] * len(xs), 0

@@ -197,7 +197,7 @@ class CpuComm final : public Comm {
   // contributions are read straight from y. All flags are published before
   // the first wait.
   void combine_impl(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
-                    const at::Tensor& src_tokens, const at::Tensor& send_mask,
+                    const at::Tensor& src_tokens, const at::Tensor& send_mask, const at::Tensor& dispatch_round,
                     at::Tensor& out) override {
     const int W = cfg_.world, me = cfg_.rank;
     const int64_t cap = cfg_.cap, H = cfg_.hidden, T = send_mask.size(0);
@@ -208,7 +208,8 @@ class CpuComm final : public Comm {
     const int32_t* mask = send_mask.data_ptr<int32_t>();
     const char* yp = static_cast<const char*>(y.data_ptr());
     check_handle_values(src, cnt, ntok, mask, T);
-    const uint64_t gen = op_generation(kOpCombine);
+    const uint64_t gen =
+        begin_round(kOpCombine, combine_call(call_flags(call_) & 1, uint64_t(*dispatch_round.data_ptr<int64_t>())));
     std::vector<int64_t> offset(W + 1, 0);
     for (int s = 0; s < W; ++s) offset[s + 1] = offset[s] + cnt[s];
 
@@ -288,7 +289,8 @@ class CpuComm final : public Comm {
     // With T = 0 the weights may be given yet have no storage: out's shape says.
     WT* rw_out = out.topk_weights.size(0) > 0 ? out.topk_weights.data_ptr<WT>() : nullptr;
     int32_t* src_out = out.recv_src.data_ptr<int32_t>();
-    const uint64_t gen = op_generation(kOpDispatch);
+    const uint64_t gen = begin_round(kOpDispatch, call_);
+    *out.dispatch_round.data_ptr<int64_t>() = int64_t(round_);
 
     // Destination sets, and start[c * W + d]: rows to d from the tokens before chunk c.
     std::vector<uint32_t> start(size_t(nch + 1) * W, 0);
@@ -418,15 +420,16 @@ class CpuComm final : public Comm {
                 Piece piece, Finish finish, std::initializer_list<char*> outputs) {
     const int W = cfg_.world, me = cfg_.rank;
     const int64_t elt = int64_t(c10::elementSize(st));
-    const uint64_t gen = op_generation(kAllReduceSequence);
+    const uint64_t gen = begin_round(kAllReduceSequence, call_);
     std::vector<const char*> srcs(W);
     for (int b = 0; b < blocks; ++b) {
       for (int p = 0; p < W; ++p) {
         if (p == me) continue;
         int64_t e0, e1;
         piece(p, b, &e0, &e1);
-        std::memcpy(layout_.ar_slot(data(p), gen, me) + e0 * elt, in + (sh.begin(p) + e0) * elt,
-                    size_t((e1 - e0) * elt));
+        if (e1 > e0)
+          std::memcpy(layout_.ar_slot(data(p), gen, me) + e0 * elt, in + (sh.begin(p) + e0) * elt,
+                      size_t((e1 - e0) * elt));
         store_release(layout_.ar_flag(signals(p), gen, 0, me, b), gen);
       }
       int64_t e0, e1;
@@ -439,8 +442,10 @@ class CpuComm final : public Comm {
         wait_at_least(layout_.ar_flag(signals(me), gen, 0, r, b), gen, op, r);
         srcs[r] = layout_.ar_slot(data(me), gen, r) + e0 * elt;
       }
-      sum_in_order(st, sum + (sh.begin(me) + e0) * elt, srcs, e1 - e0);
-      finish(sh.begin(me) + e0, e1 - e0);
+      if (e1 > e0) {
+        sum_in_order(st, sum + (sh.begin(me) + e0) * elt, srcs, e1 - e0);
+        finish(sh.begin(me) + e0, e1 - e0);
+      }
       if (sh.one_shot) continue;
       for (int p = 0; p < W; ++p) {
         if (p == me) continue;
@@ -476,19 +481,47 @@ class CpuComm final : public Comm {
   uint64_t op_generation(int op) const { return *layout_.counter(signals(cfg_.rank), op) + 1; }
   void finish_op(int op, uint64_t gen) { *layout_.counter(signals(cfg_.rank), op) = gen; }
 
+  // A round's start: its generation of op sequence `op`, and its call word
+  // (calls.h: `fields` and the round's number) published into every peer's
+  // slot, and this rank's own, before the round's first wait.
+  uint64_t begin_round(int op, uint64_t fields) {
+    char* own = signals(cfg_.rank);
+    round_ = next_round(*layout_.counter(own, kAllReduceSequence), *layout_.counter(own, kOpDispatch),
+                        *layout_.counter(own, kOpCombine));
+    word_ = call_word(fields, round_);
+    for (int r = 0; r < cfg_.world; ++r) store_release(layout_.call_slot(signals(r), round_, cfg_.rank), word_);
+    return op_generation(op);
+  }
+
+  // Raises (and fails the communicator) where `peer`'s call word of this
+  // round is there and differs from this rank's. A peer publishes its word
+  // before its first flag of a round, so after any of those it is there.
+  void check_call_of(int peer) {
+    const uint64_t theirs = load_acquire(layout_.call_slot(signals(cfg_.rank), round_, peer));
+    if (call_of_round(theirs, round_) && theirs != word_) {
+      failure_ = mismatch_message(round_, word_, peer, theirs);
+      TORCH_CHECK_VALUE(false, failure_);
+    }
+  }
+
   // Bounded wait for `*flag >= gen` (why `>=`: protocol.h, at HeadSlot) that
-  // yields the core (tests run 4 ranks on 2 cores) and stops early once a
-  // peer's process has exited.
+  // yields the core (tests run 4 ranks on 2 cores), stops early once a
+  // peer's process has exited, and checks the peer's call word of the round
+  // while it waits and when the flag has come.
   void wait_at_least(const uint64_t* flag, uint64_t gen, int op, int peer) {
-    if (load_acquire(flag) >= gen) return;
+    if (load_acquire(flag) >= gen) return check_call_of(peer);
     const auto start = Clock::now();
     const auto limit = std::chrono::milliseconds(cfg_.timeout_ms);
     auto next_liveness_check = start + std::chrono::milliseconds(kLivenessPeriodMs);
     while (load_acquire(flag) < gen) {
+      check_call_of(peer);
       const auto now = Clock::now();
       const auto waited = now - start;
       if (waited > limit) {
-        failure_ = timeout_message(op, peer, gen);
+        char* own = signals(cfg_.rank);
+        const uint64_t words[2] = {load_acquire(layout_.call_slot(own, 0, peer)),
+                                   load_acquire(layout_.call_slot(own, 1, peer))};
+        failure_ = timeout_message(op, peer, round_, word_, words);
         TORCH_CHECK(false, failure_);
       }
       if (now >= next_liveness_check) {
@@ -503,6 +536,7 @@ class CpuComm final : public Comm {
       else
         std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
+    check_call_of(peer);
   }
 
   size_t bytes_ = 0;
@@ -510,6 +544,7 @@ class CpuComm final : public Comm {
   bool unlinked_ = false;
   std::vector<char*> bases_;
   std::string failure_;
+  uint64_t round_ = 0, word_ = 0;  // the round being run and this rank's call word of it
 };
 
 }  // namespace

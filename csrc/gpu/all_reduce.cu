@@ -12,7 +12,8 @@ namespace {
 __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Env env, AllReduceArgs a) {
   const Layout& L = env.layout;
   const int me = env.rank, W = env.world, b = blockIdx.x;
-  const uint64_t gen = op_generation(env, kOpAllReduce);
+  const Round round = begin_round(env, kAllReduceSequence, a.call);
+  const uint64_t gen = round.gen;
   const int elt = dtype_bytes(a.dtype);
   const char* in = static_cast<const char*>(a.in);
   char* out = static_cast<char*>(a.out);
@@ -31,7 +32,7 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Env env, AllReduce
     block_copy(L.ar_slot(env.data[p], gen, me) + e0 * elt, in + (share.begin(p) + e0) * elt, (e1 - e0) * elt,
                vector_bytes(e1 - e0));
   }
-  bool ok = exchange_phase(env, gen, kOpAllReduce, 0, b);
+  bool ok = exchange_phase(env, round, 0, b);
 
   // Reduce this block's piece of our own share, rank by rank.
   int64_t e0, e1;
@@ -61,7 +62,7 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Env env, AllReduce
             [&](uint32_t, int p) { return L.ar_gather_slot(env.data[p], gen, me) + e0 * elt; });
       });
     }
-    ok = exchange_phase(env, gen, kOpAllReduce, 1, b, ok);
+    ok = exchange_phase(env, round, 1, b, ok);
     if (ok) {
       for (int o = 0; o < W; ++o) {
         if (o == me) continue;
@@ -72,7 +73,7 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Env env, AllReduce
       }
     }
   }
-  finish_op(env, kOpAllReduce, gen);
+  finish_op(env, kAllReduceSequence, gen);
 }
 
 }  // namespace

@@ -118,8 +118,9 @@ __global__ void __launch_bounds__(kThreads) all_reduce_rmsnorm_kernel(Env env, A
   const int vec = int(sizeof(V));
   const char* x = static_cast<const char*>(a.x);
   const bool exchange = !a.local;
-  // Local launches take no generation: they are no op of the protocol.
-  const uint64_t gen = exchange ? op_generation(env, kAllReduceSequence) : 0;
+  // Local launches take no round: they are no op of the protocol.
+  const Round round = exchange ? begin_round(env, kAllReduceSequence, a.call) : Round{};
+  const uint64_t gen = round.gen;
   const AllReduceShares shard = rmsnorm_shards(a.rows, exchange ? W : 1, a.one_stage || !exchange);
   auto piece = [&](int o, int64_t* r0, int64_t* r1) { rmsnorm_piece(shard.size(o), b, G, r0, r1); };
   const int own = exchange ? me : 0;
@@ -134,7 +135,7 @@ __global__ void __launch_bounds__(kThreads) all_reduce_rmsnorm_kernel(Env env, A
       block_copy(L.ar_slot(env.data[p], gen, me) + r0 * row_bytes, x + (shard.begin(p) + r0) * row_bytes,
                  (r1 - r0) * row_bytes, vec);
     }
-    ok = exchange_phase(env, gen, kOpAllReduceRmsNorm, 0, b);
+    ok = exchange_phase(env, round, 0, b);
   }
 
   // Finish this block's rows of this rank's shard.
@@ -172,7 +173,7 @@ __global__ void __launch_bounds__(kThreads) all_reduce_rmsnorm_kernel(Env env, A
         });
       }
     }
-    ok = exchange_phase(env, gen, kOpAllReduceRmsNorm, 1, b, ok);
+    ok = exchange_phase(env, round, 1, b, ok);
     if (ok) {
       for (int o = 0; o < W; ++o) {
         if (o == me) continue;

@@ -230,10 +230,11 @@ RC_DEVICE int32_t own_rows_before(const Env& env, const CombineArgs& a, const Ow
 // batches of a block.
 static_assert(kMaxGpuWorld * kMaxGroup <= kThreads, "combine waiters fit a block");
 template <DType D, int kSumUnroll>
-RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineShared& sh, uint64_t gen,
+RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineShared& sh, const Round& round,
                                 const OwnRange& range, const FirstReads& first, const RowPieces& first_pieces,
                                 int vec) {
   const Layout& L = env.layout;
+  const uint64_t gen = round.gen;
   const int me = env.rank, W = env.world, tid = threadIdx.x;
   const int32_t t0 = range.t0, t1 = range.t1, C = range.chunk_tokens, nt = kThreads;
   const int G = range.group;
@@ -255,7 +256,7 @@ RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineSha
     const int32_t g1 = g0 + G < c_end ? g0 + G : c_end;
     const int g = range.waiter_g, r = range.waiter_r;
     bool ok = true;
-    if (g0 + g < g1 && r != me) ok = wait_flag(env, L.combine_flag(env.sig[me], gen, r, g0 + g), gen, kOpCombine, r);
+    if (g0 + g < g1 && r != me) ok = wait_flag(env, round, L.combine_flag(env.sig[me], gen, r, g0 + g), r);
     if (!block_all(ok)) return;
     const int32_t b_begin = g0 * C > t0 ? g0 * C : t0, b_end = g1 * C < t1 ? g1 * C : t1;
     for (int32_t b0 = b_begin; b0 < b_end; b0 += nt) {
@@ -292,10 +293,13 @@ RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineSha
 template <DType D, int kSumUnroll>
 __global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs a, EpLaunch lp) {
   __shared__ CombineShared sh;
+  // Loaded first: the call word of the round needs it (calls.h).
+  const uint64_t dispatch_round = uint64_t(*a.dispatch_round);
   const bool receiver = int(blockIdx.x) >= lp.send_blocks;
   const OwnRange range = own_range(env, a.ntok, lp, int(blockIdx.x) - lp.send_blocks);
   const FirstReads first = first_reads(env, a, range, receiver);
-  const uint64_t gen = op_generation(env, kOpCombine);
+  const Round round = begin_round(env, kOpCombine, combine_call(a.expert_layout, dispatch_round));
+  const uint64_t gen = round.gen;
   // The first batch's piece of the sums (row_pieces), while the loads are in flight.
   const int32_t first_rows = receiver && range.first_end > range.t0 ? range.first_end - range.t0 : 0;
   const RowPieces pieces = row_pieces(uint32_t(first_rows), row_vectors<D>(env.layout.hidden * env.layout.elt, lp.vec));
@@ -323,7 +327,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs 
   if (!receiver) {
     combine_sender(env, a, sh, gen, blockIdx.x, lp.send_blocks, lp.vec);
   } else if (counts_ok) {
-    combine_receiver<D, kSumUnroll>(env, a, sh, gen, range, first, pieces, lp.vec);
+    combine_receiver<D, kSumUnroll>(env, a, sh, round, range, first, pieces, lp.vec);
   }
   finish_op(env, kOpCombine, gen);
 }

@@ -99,8 +99,9 @@ constexpr int kSlotsPerLane = (kMaxTopk + kMinWarpSize - 1) / kMinWarpSize;
 // False (on every thread) when a wait failed.
 template <typename IdxT, int KF, typename V, int kMode>
 RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLaunch& lp, DispatchShared& sh,
-                               uint64_t gen, int b) {
+                               const Round& round, int b) {
   const Layout& L = env.layout;
+  const uint64_t gen = round.gen;
   const int me = env.rank, W = env.world, tid = threadIdx.x, nt = kThreads;
   const Routing<IdxT, KF> route{static_cast<const IdxT*>(a.topk_idx), int(L.topk), a.num_experts,
                                 lp.experts_per_rank, W};
@@ -179,7 +180,7 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
         uint64_t word = 0;
         const uint64_t* slot = L.tally(env.sig[me], tid, d);
         if (tid < b && ok)
-          ok = wait_until(env, gen, kOpDispatch, me, [&] { return tally_gen(word = load_relaxed_device(slot)) >= gen; });
+          ok = wait_until(env, round, me, [&] { return tally_gen(word = load_relaxed_device(slot)) >= gen; });
         const int32_t sum = warp_sum(ok ? tally_rows(word) : 0);
         if (lane_id() == 0) atomicAdd(&sh.prefix[d], sum);
       }
@@ -214,7 +215,7 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
     int32_t rows = 0;
     if (tid < me) {
       const uint64_t* flag = &head_of(tid)->gen;
-      got = wait ? wait_flag(env, flag, gen, kOpDispatch, tid) : load_acquire_sys(flag) >= gen;
+      got = wait ? wait_flag(env, round, flag, tid) : load_acquire_sys(flag) >= gen;
       if (got) rows = int32_t(head_of(tid)->nrows);
     }
     if (tid < warp_size()) {
@@ -355,12 +356,12 @@ RC_DEVICE bool dispatch_sender(const Env& env, const DispatchArgs& a, const EpLa
 
 // Every source's header, once it has arrived, into sh.src (thread s reads
 // the counts of the header it acquired). False on a timeout.
-RC_DEVICE bool load_headers(const Env& env, DispatchShared& sh, uint64_t gen) {
+RC_DEVICE bool load_headers(const Env& env, DispatchShared& sh, const Round& round) {
   const Layout& L = env.layout;
   const int me = env.rank;
   return load_sources(env, sh.src, [&](int s, int64_t* ntok, int64_t* nrows, int64_t* chunk_tokens) {
-    const HeadSlot* head = L.dispatch_head(env.sig[me], gen, s);
-    if (!wait_flag(env, &head->gen, gen, kOpDispatch, s)) return false;
+    const HeadSlot* head = L.dispatch_head(env.sig[me], round.gen, s);
+    if (!wait_flag(env, round, &head->gen, s)) return false;
     *ntok = head->ntok;
     *nrows = head->nrows;
     *chunk_tokens = head->chunk_tokens;
@@ -374,7 +375,7 @@ RC_DEVICE bool load_headers(const Env& env, DispatchShared& sh, uint64_t gen) {
 // rank's own from sh.run where the block routed every token), and a warp
 // sum adds them up, with no block barrier. False, on the whole warp, when a
 // wait failed.
-RC_DEVICE bool received_rows(const Env& env, const DispatchShared& sh, uint64_t gen, bool own_known,
+RC_DEVICE bool received_rows(const Env& env, const DispatchShared& sh, const Round& round, bool own_known,
                              int32_t* rows) {
   const int s = lane_id();
   bool ok = true;
@@ -383,8 +384,8 @@ RC_DEVICE bool received_rows(const Env& env, const DispatchShared& sh, uint64_t 
     if (own_known && s == env.rank) {
       n = sh.run[s];
     } else {
-      const HeadSlot* head = env.layout.dispatch_head(env.sig[env.rank], gen, s);
-      ok = wait_flag(env, &head->gen, gen, kOpDispatch, s);
+      const HeadSlot* head = env.layout.dispatch_head(env.sig[env.rank], round.gen, s);
+      ok = wait_flag(env, round, &head->gen, s);
       n = ok ? int32_t(head->nrows) : 0;
     }
   }
@@ -394,9 +395,10 @@ RC_DEVICE bool received_rows(const Env& env, const DispatchShared& sh, uint64_t 
 
 // False (on every thread) when a wait failed: sh.src may then be incomplete.
 template <typename IdxT, typename V, bool kFp8>
-RC_DEVICE bool dispatch_receiver(const Env& env, const DispatchArgs& a, DispatchShared& sh, uint64_t gen, int j,
-                                 int nblocks) {
+RC_DEVICE bool dispatch_receiver(const Env& env, const DispatchArgs& a, DispatchShared& sh, const Round& round,
+                                 int j, int nblocks) {
   const Layout& L = env.layout;
+  const uint64_t gen = round.gen;
   const int me = env.rank, W = env.world, tid = threadIdx.x;
   const int64_t H = L.hidden, S = L.fp8_scales, payload = kFp8 ? H : H * L.elt, K = L.topk, cap = L.cap;
   // A received row is its bytes; a row left in the heap (peer_rows_stay) is
@@ -405,7 +407,7 @@ RC_DEVICE bool dispatch_receiver(const Env& env, const DispatchArgs& a, Dispatch
   char* out_x = static_cast<char*>(a.out_x);
   IdxT* out_idx = static_cast<IdxT*>(a.out_idx);
 
-  if (!load_headers(env, sh, gen)) return false;
+  if (!load_headers(env, sh, round)) return false;
   if (j == 0 && tid < W) {
     a.out_counts[tid] = sh.src.nrows[tid];
     a.out_src_tokens[tid] = sh.src.ntok[tid];
@@ -426,7 +428,7 @@ RC_DEVICE bool dispatch_receiver(const Env& env, const DispatchArgs& a, Dispatch
         int64_t c;
         item_to_chunk(item, sh.src.nchunks, W, &s, &c);
         const ChunkSlot* slot = L.dispatch_chunk(env.sig[me], gen, s, c);
-        got = wait_flag(env, &slot->gen, gen, kOpDispatch, s);
+        got = wait_flag(env, round, &slot->gen, s);
         sh.item_src[tid] = s;
         sh.item_row_start[tid] = got ? slot->row_start : 0;
         nrows = got ? slot->nrows : 0;
@@ -480,7 +482,8 @@ template <typename IdxT, int KF, typename V, int kMode>
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(Env env, DispatchArgs a, EpLaunch lp) {
   __shared__ DispatchShared sh;
   prefetch_sender_inputs<IdxT, kMode>(a, env.layout, lp, blockIdx.x);
-  const uint64_t gen = op_generation(env, kOpDispatch);
+  const Round round = begin_round(env, kOpDispatch, a.call);
+  if (blockIdx.x == 0 && threadIdx.x == 0) *a.out_dispatch_round = int64_t(round_number(env));
   // The padding's start, known once the headers have arrived: they usually
   // have by now; a late peer keeps the block waiting (bounded like every
   // wait), and after a failed wait it does not pad. The verdicts come from
@@ -490,15 +493,15 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Env env, DispatchArg
   int32_t pad0 = 0;
   bool have_headers;
   if (int(blockIdx.x) < lp.send_blocks) {
-    have_headers = dispatch_sender<IdxT, KF, V, kMode>(env, a, lp, sh, gen, blockIdx.x) &&
-                   received_rows(env, sh, gen, dispatch_routes_all_tokens(a.ntok), &pad0);
+    have_headers = dispatch_sender<IdxT, KF, V, kMode>(env, a, lp, sh, round, blockIdx.x) &&
+                   received_rows(env, sh, round, dispatch_routes_all_tokens(a.ntok), &pad0);
   } else {
-    have_headers = dispatch_receiver<IdxT, V, kMode != kRowsAsIs>(env, a, sh, gen, blockIdx.x - lp.send_blocks,
+    have_headers = dispatch_receiver<IdxT, V, kMode != kRowsAsIs>(env, a, sh, round, blockIdx.x - lp.send_blocks,
                                                                  gridDim.x - lp.send_blocks);
     pad0 = sh.src.offset[env.world];
   }
   if (have_headers) dispatch_padding<IdxT>(env, a, pad0);
-  finish_op(env, kOpDispatch, gen);
+  finish_op(env, kOpDispatch, round.gen);
 }
 
 }  // namespace

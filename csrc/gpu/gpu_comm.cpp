@@ -227,7 +227,21 @@ class GpuComm final : public Comm {
     if (word == 0) return;
     TORCH_CHECK(timeout_op(word) != kOpPeerExited, exit_message(timeout_peer(word)));
     TORCH_CHECK(timeout_op(word) != kOpBadHandle, device_bad_handle_message(word));
-    TORCH_CHECK(false, timeout_message(timeout_op(word), timeout_peer(word), timeout_gen(word)));
+    // The call words the kernels left in this rank's signal memory (the
+    // failed op has ended: its kernel records the word before it exits).
+    const int peer = timeout_peer(word);
+    const uint64_t round = timeout_round(word);
+    char* own = env_.sig[cfg_.rank];
+    if (timeout_op(word) == kOpCallMismatch) {
+      uint64_t words[2] = {};
+      RC_GPU_CHECK(memcpy_to_host(words, layout_.mismatch(own, peer), sizeof(words)));
+      TORCH_CHECK_VALUE(false, mismatch_message(round, words[0], peer, words[1]));
+    }
+    uint64_t mine = 0, theirs[2] = {};
+    RC_GPU_CHECK(memcpy_to_host(&mine, layout_.call_slot(own, round, cfg_.rank), sizeof(mine)));
+    for (int parity = 0; parity < 2; ++parity)
+      RC_GPU_CHECK(memcpy_to_host(&theirs[parity], layout_.call_slot(own, parity, peer), sizeof(uint64_t)));
+    TORCH_CHECK(false, timeout_message(timeout_op(word), peer, round, mine, theirs));
   }
 
   // Kernels cannot see a peer's process, so a host thread watches it: when
@@ -249,7 +263,8 @@ class GpuComm final : public Comm {
 
  protected:
   void all_reduce_chunk(at::ScalarType st, const char* in, char* out, int64_t n, bool one_shot) override {
-    in_stream_order([&](Stream s) { launch_all_reduce(env_, AllReduceArgs{in, out, n, dtype_of(st), one_shot}, s); });
+    in_stream_order(
+        [&](Stream s) { launch_all_reduce(env_, AllReduceArgs{in, out, n, dtype_of(st), one_shot, call_}, s); });
   }
 
   void all_reduce_rmsnorm_chunk(const RmsNormRows& c, bool one_stage) override { launch_rmsnorm(c, one_stage, false); }
@@ -281,12 +296,17 @@ class GpuComm final : public Comm {
     a.out_recv_src = out.recv_src.data_ptr<int32_t>();
     a.out_src_tokens = out.src_tokens.data_ptr<int32_t>();
     a.out_send_mask = out.send_mask.data_ptr<int32_t>();
+    a.out_dispatch_round = out.dispatch_round.data_ptr<int64_t>();
+    a.call = call_;
     in_stream_order([&](Stream s) { launch_dispatch(env_, a, s); });
   }
 
   void combine_impl(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
-                    const at::Tensor& src_tokens, const at::Tensor& send_mask, at::Tensor& out) override {
+                    const at::Tensor& src_tokens, const at::Tensor& send_mask, const at::Tensor& dispatch_round,
+                    at::Tensor& out) override {
     CombineArgs a{};
+    a.dispatch_round = dispatch_round.data_ptr<int64_t>();
+    a.expert_layout = call_flags(call_) & 1;
     a.y = y.data_ptr();
     a.recv_src = recv_src.data_ptr<int32_t>();
     a.counts = counts.data_ptr<int32_t>();
@@ -371,6 +391,7 @@ class GpuComm final : public Comm {
     a.vectorized = c.vectorized;
     a.one_stage = one_stage;
     a.local = local;
+    a.call = call_;
     in_stream_order([&](Stream s) { launch_all_reduce_rmsnorm(env_, a, s); });
   }
 

@@ -41,6 +41,7 @@ struct AllReduceArgs {
   int64_t n;  // elements in this chunk (<= one slot for one-shot, W slots for two-shot)
   DType dtype;
   bool one_shot;
+  uint64_t call;  // the call's fields (calls.h): an all_reduce's, or an all_reduce_rmsnorm's run as all_reduce
 };
 
 // Routing in and out in the caller's dtypes: ids int32 or int64 (both
@@ -75,6 +76,8 @@ struct DispatchArgs {
   int32_t* out_recv_src;    // [W*cap]
   int32_t* out_src_tokens;  // [W]
   int32_t* out_send_mask;   // [T]
+  int64_t* out_dispatch_round;  // [1]: this dispatch's round
+  uint64_t call;                // the call's fields (calls.h)
 };
 
 struct CombineArgs {
@@ -83,6 +86,8 @@ struct CombineArgs {
   const int32_t* counts;
   const int32_t* src_tokens;
   const int32_t* send_mask;  // [T]
+  const int64_t* dispatch_round;  // [1]: the handle's, the value of the call word
+  bool expert_layout;             // the handle is an expert layout's
   int64_t ntok;
   DType dtype;
   void* out;  // [T, H]
@@ -157,6 +162,7 @@ struct AllReduceRmsNormArgs {
   bool vectorized;  // 16-byte aligned pointers, rows of whole 16-byte vectors
   bool one_stage;
   bool local;
+  uint64_t call;  // the call's fields (calls.h)
 };
 
 void launch_all_reduce(const Env& env, const AllReduceArgs& a, Stream s);

@@ -163,7 +163,18 @@ RC_DEVICE uint64_t load_acquire_sys(const uint64_t* p) {
 #endif
 }
 
-// Relaxed system-scope load for words other agents write (the abort word).
+// Relaxed system-scope store for a word that carries its whole message to
+// other agents and orders nothing before it (a round's call word: calls.h).
+RC_DEVICE void store_relaxed_sys(uint64_t* p, uint64_t v) {
+#ifdef RC_HIP
+  __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+#endif
+}
+
+// Relaxed system-scope load for words other agents write (the abort word, a
+// peer's call word).
 RC_DEVICE uint64_t load_relaxed_sys(const uint64_t* p) {
 #ifdef RC_HIP
   return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);

@@ -15,7 +15,8 @@ RC_DEVICE uint32_t probe_word(int src, int dst, int i, uint64_t gen) {
 __global__ void __launch_bounds__(kThreads) probe_kernel(Env env, int32_t* result, int corrupt_dst) {
   const Layout& L = env.layout;
   const int me = env.rank, W = env.world, tid = threadIdx.x;
-  const uint64_t gen = op_generation(env, kOpProbe);
+  const Round round = begin_round(env, kOpProbe, 0);  // no call: the probe checks none
+  const uint64_t gen = round.gen;
   constexpr int kWords = kProbeBytes / 4;
   __shared__ int32_t bad[kMaxGpuWorld];
   if (tid < W) bad[tid] = 0;
@@ -28,7 +29,7 @@ __global__ void __launch_bounds__(kThreads) probe_kernel(Env env, int32_t* resul
   block_sync();
   block_signal_ranks(env, gen, peer_ranks(env), [&](int r) { return L.probe_flag(env.sig[r], me); });
   bool arrived = true;
-  if (tid < W && tid != me) arrived = wait_flag(env, L.probe_flag(env.sig[me], tid), gen, kOpProbe, tid);
+  if (tid < W && tid != me) arrived = wait_flag(env, round, L.probe_flag(env.sig[me], tid), tid);
   if (tid < W && !arrived) bad[tid] = -1;
   block_sync();
   for (int s = 0; s < W; ++s) {

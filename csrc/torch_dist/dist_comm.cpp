@@ -134,7 +134,7 @@ class DistComm final : public Comm {
     const auto opts = at::TensorOptions().device(device_).dtype(st);
     at::Tensor input = at::from_blob(const_cast<char*>(in), {m}, opts);
     at::Tensor output = at::from_blob(out, {m}, opts);
-    const uint64_t gen = next_generation(kOpAllReduce);
+    const uint64_t gen = begin_round(kOpAllReduce, call_);
     if (one_shot) {
       at::Tensor inputs = at::empty({W, m}, opts);
       all_gather(kOpAllReduce, gen, inputs, input);
@@ -162,7 +162,8 @@ class DistComm final : public Comm {
     const int W = cfg_.world;
     const int64_t T = x.size(0), K = cfg_.topk, cap = cfg_.cap, H = cfg_.hidden, epr = cfg_.experts_per_rank();
     const auto i64 = at::TensorOptions().device(device_).dtype(at::kLong);
-    const uint64_t gen = next_generation(kOpDispatch);
+    const uint64_t gen = begin_round(kOpDispatch, call_);
+    out.dispatch_round.fill_(int64_t(round_));
 
     // Routing (expert_owner): the owner of every slot, -1 when dropped.
     const at::Tensor& ids = topk_idx;  // int32 or int64: the ops below take either
@@ -251,7 +252,8 @@ class DistComm final : public Comm {
   // comm.check(). Combines captured in a graph are not checked: a replay's
   // copy would land when the host does not look.
   void combine_impl(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
-                    const at::Tensor& src_tokens, const at::Tensor& send_mask, at::Tensor& out) override {
+                    const at::Tensor& src_tokens, const at::Tensor& send_mask, const at::Tensor& dispatch_round,
+                    at::Tensor& out) override {
     const int W = cfg_.world;
     const int64_t cap = cfg_.cap, H = cfg_.hidden, T = send_mask.size(0);
     if (!y.is_cuda())
@@ -268,7 +270,10 @@ class DistComm final : public Comm {
           check();
         }
       });
-    const uint64_t gen = next_generation(kOpCombine);
+    // The handle's dispatch round is needed on the host only where the calls are checked.
+    const uint64_t gen = begin_round(
+        kOpCombine, cfg_.dist_check_calls ? combine_call(call_flags(call_) & 1, uint64_t(dispatch_round.item<int64_t>()))
+                                          : call_);
     // Padding rows (and, on a GPU, any value outside [0, W*cap) of a forged
     // handle) land in an extra slot that is never sent.
     const at::Tensor slot_of = recv_src.to(at::kLong);
@@ -295,6 +300,31 @@ class DistComm final : public Comm {
 
  private:
   uint64_t next_generation(int op) { return ++generations_[op]; }
+
+  // A round's start: its generation of op sequence `op` and, with
+  // dist_check_calls, an all-gather of the ranks' call words (calls.h),
+  // compared before the round's own collectives: a rank whose call differs
+  // raises here, on every rank, instead of entering a collective its peers
+  // do not (gloo then waits out its timeout). Off by default: a collective
+  // more per round, and on GPUs a host synchronisation (docs/transports.md).
+  uint64_t begin_round(int op, uint64_t fields) {
+    round_ = next_round(generations_[kOpAllReduce], generations_[kOpDispatch], generations_[kOpCombine]);
+    const uint64_t gen = next_generation(op);
+    if (!cfg_.dist_check_calls) return gen;
+    const uint64_t word = call_word(fields, round_);
+    at::Tensor mine = at::full({1}, int64_t(word), at::TensorOptions().device(device_).dtype(at::kLong));
+    at::Tensor every = at::empty({cfg_.world, 1}, mine.options());
+    all_gather(op, gen, every, mine);
+    const at::Tensor words = every.cpu();
+    for (int r = 0; r < cfg_.world; ++r) {
+      const uint64_t theirs = uint64_t(words.data_ptr<int64_t>()[r]);
+      if (theirs != word) {
+        failure_ = mismatch_message(round_, word, r, theirs);
+        TORCH_CHECK_VALUE(false, failure_);
+      }
+    }
+    return gen;
+  }
 
   void all_to_all(int op, uint64_t gen, at::Tensor& recv, at::Tensor& send) {
     std::vector<int64_t> equal_splits;
@@ -358,6 +388,7 @@ class DistComm final : public Comm {
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   at::Device device_;
   std::array<uint64_t, kNumOps> generations_{};
+  uint64_t round_ = 0;  // the round being run (calls.h)
   std::string failure_;
 };
 

@@ -35,7 +35,7 @@ namespace gpu {
 // Generations. A kernel of a communicator starts only after the one before it
 // has finished, on any stream (the host orders them: in_stream_order in
 // gpu_comm.cpp). Each block of a launch has its own counter: it reads its
-// generation, counter + 1, at start (op_generation) and stores it back when
+// generation, counter + 1, at start (begin_round) and stores it back when
 // it finishes (finish_op), and block 0 also stores it into the counters of
 // the blocks this launch does not have, which a later, larger grid reads.
 // Nothing of this launch reads another block's counter, so the blocks never
@@ -45,9 +45,6 @@ namespace gpu {
 // Every grid fits the counters: ep_grid_budget clamps the EP grids to
 // kMaxLaunchBlocks, allreduce_blocks and rmsnorm_blocks to kMaxAllReduceBlocks.
 static_assert(kMaxAllReduceBlocks <= kMaxLaunchBlocks, "a generation counter for every block of every grid");
-RC_DEVICE uint64_t op_generation(const Env& env, int op) {
-  return *env.layout.counter(env.sig[env.rank], op, blockIdx.x) + 1;
-}
 
 // The barrier: every thread of the block has read its generation before
 // thread 0 overwrites it.
@@ -60,26 +57,108 @@ RC_DEVICE void finish_op(const Env& env, int op, uint64_t gen) {
       *env.layout.counter(sig, op, b) = gen;
 }
 
+// A round of the protocol (calls.h) as a block runs it: its generation of
+// the op's sequence. This rank's call word of the round, which holds the
+// round's low bits (0: the probe, which is no call), is in shared memory
+// (round_word): the EP kernels' row loops leave no registers for it.
+struct Round {
+  uint64_t gen;
+};
+__shared__ uint64_t round_word;
+
+// The number of the round a block is in: one more than the rounds its
+// counters hold, which only the block's own finish_op changes, at its end.
+RC_DEVICE uint64_t round_number(const Env& env) {
+  const Layout& L = env.layout;
+  char* own = env.sig[env.rank];
+  const int b = blockIdx.x;
+  return next_round(*L.counter(own, kAllReduceSequence, b), *L.counter(own, kOpDispatch, b),
+                    *L.counter(own, kOpCombine, b));
+}
+
+// The op a round's timeout names.
+RC_DEVICE int round_op() {
+  switch (call_op(round_word)) {
+    case kCallAllReduce: return kOpAllReduce;
+    case kCallAllReduceRmsNorm: return kOpAllReduceRmsNorm;
+    case kCallDispatch: return kOpDispatch;
+    case kCallCombine: return kOpCombine;
+    default: return kOpProbe;
+  }
+}
+
+// A block's round of op sequence `sequence`: its generation from the
+// block's own counter, which finish_op keeps alike in every block between
+// launches. Block 0 announces the call word `fields` stamped with the round
+// into every rank's slot (its own too: the host reads it for messages),
+// before the launch's first wait on a peer can need it; a peer that reads a
+// flag of this round before the word has landed waits for the word too.
+// Every thread stores the same word into round_word, so each reads its own
+// store back with no barrier.
+RC_DEVICE Round begin_round(const Env& env, int sequence, uint64_t fields) {
+  const Layout& L = env.layout;
+  uint64_t word = 0;
+  if (fields != 0) {
+    const uint64_t number = round_number(env);
+    word = call_word(fields, number);
+    const int p = threadIdx.x;
+    // A relaxed store: the word is its whole message, and it orders nothing
+    // (a release's system-wide wait would delay block 0 at every launch).
+    if (blockIdx.x == 0 && p < env.world) store_relaxed_sys(L.call_slot(env.sig[p], number, env.rank), word);
+  }
+  round_word = word;
+  return Round{*L.counter(env.sig[env.rank], sequence, blockIdx.x) + 1};
+}
+
 // The first thread to fail leaves one word for the host: a timeout
-// (encode_timeout) or a bad handle value (encode_bad_handle).
+// (encode_timeout), a call that differs from a peer's (encode_mismatch, the
+// two call words in this rank's mismatch slot of that peer first) or a bad
+// handle value (encode_bad_handle).
 RC_DEVICE void record_error(const Env& env, uint64_t word) {
   if (load_relaxed_sys(env.error) == 0) store_release_sys(env.error, word);
 }
+RC_DEVICE void record_mismatch(const Env& env, int peer, uint64_t theirs) {
+  uint64_t* words = env.layout.mismatch(env.sig[env.rank], peer);
+  words[0] = round_word;  // every thread that finds this mismatch stores the same two words
+  words[1] = theirs;
+  record_error(env, encode_mismatch(peer, round_number(env)));
+}
 
-// Bounded wait of one thread until ready() holds, for op `op` of generation
-// gen on `peer`. False on timeout, or once another thread has failed, so a
-// broken op drains in one timeout, not one per wait.
+// Bounded wait of one thread until ready() holds and `peer`'s call word of
+// the round agrees with this rank's, for round r on `peer` (this rank
+// itself: no word to check). False on timeout, on a word that differs (both
+// recorded), or once another thread has failed, so a broken op drains in one
+// timeout, not one per wait. The word is read before the flag: a relaxed
+// load that an acquire does not order after itself, so both are in flight
+// at once.
 template <typename Ready>
-RC_DEVICE bool wait_until(const Env& env, uint64_t gen, int op, int peer, Ready ready) {
-  if (ready()) return true;
+RC_DEVICE bool wait_until(const Env& env, const Round& r, int peer, Ready ready) {
+  const uint64_t mine = round_word;
+  const uint64_t* slot =
+      mine != 0 && peer != env.rank ? env.layout.call_slot(env.sig[env.rank], call_round_bits(mine), peer) : nullptr;
+  // 1: done; 0: wait on; -1: the peer's call differs (recorded).
+  auto verdict = [&] {
+    const uint64_t theirs = slot ? load_relaxed_sys(slot) : 0;
+    const bool flag = ready();
+    if (!slot) return flag ? 1 : 0;
+    if (!call_of_round(theirs, call_round_bits(mine))) return 0;
+    if (theirs != mine) {
+      record_mismatch(env, peer, theirs);
+      return -1;
+    }
+    return flag ? 1 : 0;
+  };
+  int v = verdict();
+  if (v != 0) return v > 0;
   const uint64_t start = timer_ticks();
   for (uint32_t spin = 1;; ++spin) {
     spin_pause();
-    if (ready()) return true;
+    v = verdict();
+    if (v != 0) return v > 0;
     if ((spin & 127) == 0) {
       if (load_relaxed_sys(env.error) != 0) return false;
       if (timer_ticks() - start > env.timeout_ticks) {
-        record_error(env, encode_timeout(op, peer, gen));
+        record_error(env, encode_timeout(round_op(), peer, round_number(env)));
         return false;
       }
     }
@@ -87,20 +166,20 @@ RC_DEVICE bool wait_until(const Env& env, uint64_t gen, int op, int peer, Ready 
 }
 
 // Bounded wait for `*flag >= gen` (why `>=`: protocol.h, at HeadSlot).
-RC_DEVICE bool wait_flag(const Env& env, const uint64_t* flag, uint64_t gen, int op, int peer) {
-  return wait_until(env, gen, op, peer, [&] { return load_acquire_sys(flag) >= gen; });
+RC_DEVICE bool wait_flag(const Env& env, const Round& r, const uint64_t* flag, int peer) {
+  return wait_until(env, r, peer, [&] { return load_acquire_sys(flag) >= r.gen; });
 }
 
 RC_DEVICE uint32_t all_ranks(const Env& env) { return (1u << env.world) - 1; }
 RC_DEVICE uint32_t peer_ranks(const Env& env) { return all_ranks(env) & ~(1u << env.rank); }
 
-// Block-wide: thread r waits for flag_of(r), for every rank r in `ranks`.
+// Block-wide: thread p waits for flag_of(p), for every rank p in `ranks`.
 // True on every thread when all arrived.
 template <typename FlagOf>
-RC_DEVICE bool block_wait_ranks(const Env& env, uint64_t gen, int op, uint32_t ranks, FlagOf flag_of) {
+RC_DEVICE bool block_wait_ranks(const Env& env, const Round& r, uint32_t ranks, FlagOf flag_of) {
   bool ok = true;
-  const int r = threadIdx.x;
-  if (r < env.world && (ranks >> r & 1u)) ok = wait_flag(env, flag_of(r), gen, op, r);
+  const int p = threadIdx.x;
+  if (p < env.world && (ranks >> p & 1u)) ok = wait_flag(env, r, flag_of(p), p);
   return block_all(ok);
 }
 
@@ -116,13 +195,13 @@ RC_DEVICE void block_signal_ranks(const Env& env, uint64_t gen, uint32_t ranks, 
 // pushes are done (the barrier), flag every peer, then wait for every peer's
 // block b. With `ok` false (an earlier wait failed; block-uniform) it
 // neither signals nor waits, so a broken op drains. True when all arrived.
-RC_DEVICE bool exchange_phase(const Env& env, uint64_t gen, int op, int phase, int b, bool ok = true) {
+RC_DEVICE bool exchange_phase(const Env& env, const Round& r, int phase, int b, bool ok = true) {
   const Layout& L = env.layout;
   const int me = env.rank;
+  const uint64_t gen = r.gen;
   block_sync();
-  if (ok) block_signal_ranks(env, gen, peer_ranks(env), [&](int r) { return L.ar_flag(env.sig[r], gen, phase, me, b); });
-  return ok && block_wait_ranks(env, gen, op, peer_ranks(env),
-                                [&](int r) { return L.ar_flag(env.sig[me], gen, phase, r, b); });
+  if (ok) block_signal_ranks(env, gen, peer_ranks(env), [&](int p) { return L.ar_flag(env.sig[p], gen, phase, me, b); });
+  return ok && block_wait_ranks(env, r, peer_ranks(env), [&](int p) { return L.ar_flag(env.sig[me], gen, phase, p, b); });
 }
 
 }  // namespace gpu
