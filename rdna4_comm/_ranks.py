@@ -115,9 +115,16 @@ class RankContext:
     def errors(self, error: Optional[str]) -> list[str]:
         """Collective: every rank passes its error (or None) and gets all of
         them, as "rank r: error" lines; so all ranks take the same branch."""
-        errors: list = [None] * self.world
-        dist.all_gather_object(errors, error, group=self.cpu_group)
-        return [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+        # As UTF-8 bytes in tensors, not all_gather_object: that one needs
+        # numpy, which torch does not require.
+        mine = torch.tensor(list((error or "").encode()), dtype=torch.uint8)
+        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(lengths, torch.tensor([mine.numel()]), group=self.cpu_group)
+        longest = max(int(n) for n in lengths)
+        padded = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world)]
+        dist.all_gather(padded, torch.cat([mine, mine.new_zeros(longest - mine.numel())]), group=self.cpu_group)
+        texts = [bytes(p[:int(n)].tolist()).decode() for p, n in zip(padded, lengths)]
+        return [f"rank {r}: {t}" for r, t in enumerate(texts) if t]
 
     def agree(self, error: Optional[str], what: str) -> None:
         """Collective: raise :class:`CheckFailed` on every rank if any rank

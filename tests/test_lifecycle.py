@@ -73,6 +73,24 @@ def test_the_test_worlds_comm_cache_closes_the_least_recently_asked(world_small)
     world_small.run(t_drop_communicators)
 
 
+def t_rank_errors_reach_every_rank(ctx):
+    # Rank 1 fails with a non-ASCII message, the others pass.
+    mine = "bad tensor: max |Δ| = 0.5" if ctx.rank == 1 else None
+    try:
+        ctx.agree(mine, "the check")
+        raised = None
+    except rc._ranks.CheckFailed as e:
+        raised = str(e)
+    return ctx.errors(mine), ctx.errors(None), raised
+
+
+def test_the_worlds_error_exchange_gives_every_rank_every_error(world_small):
+    expected = ["rank 1: bad tensor: max |Δ| = 0.5"] if world_small.size > 1 else []
+    for errors, none, raised in world_small.run(t_rank_errors_reach_every_rank):
+        assert errors == expected and none == []
+        assert raised == ("the check:\n" + expected[0] if expected else None)
+
+
 def t_skip_one_call(ctx, skipper):
     c = ctx.comm(timeout_ms=short_timeout_ms(ctx.transport), allreduce_slot_bytes=4096)
     x = rand(5, ctx.rank, (256,)).to(ctx.device)
