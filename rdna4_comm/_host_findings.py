@@ -1,9 +1,10 @@
 """What Linux, the PCI tree and the driver say about peer-to-peer on this
 host, for the doctor (:mod:`rdna4_comm.doctor`): the GPUs and software, the
-peer-access matrix and link types, IOMMU, ACS, BAR sizes, NUMA placement,
-amdgpu parameters and P2PDMA, each finding with its usual fix
-(:func:`platform_report`). Reads /proc, /sys and tools' output; changes
-nothing. docs/doctor.md explains every finding.
+peer-access matrix and link types, the kernel command line's peer-to-peer
+parameters, IOMMU, ACS, BAR sizes, NUMA placement, amdgpu parameters and
+P2PDMA, each finding with its usual fix (:func:`platform_report`). Reads
+/proc, /sys and tools' output; changes nothing. docs/doctor.md explains
+every finding.
 """
 from __future__ import annotations
 
@@ -42,6 +43,14 @@ FIX_NUMA = ("keep communicating GPUs under one CPU socket / root complex (move t
 FIX_AMDGPU_P2P = "add amdgpu.pcie_p2p=1 to the kernel command line (or 'options amdgpu pcie_p2p=1' in /etc/modprobe.d)"
 FIX_PEER = ("the driver refuses peer access between these GPUs: check ACS, IOMMU and BAR findings above, and that "
             "both GPUs sit under one root complex")
+# The kernel parameters that set the IOMMU's mode (iommu_mode reads them).
+IOMMU_KERNEL_PARAMS = ("iommu", "amd_iommu", "intel_iommu", "iommu.passthrough", "iommu.strict")
+# The kernel parameters that bear on peer-to-peer: the IOMMU's, pci= (noacs;
+# realloc and resource_alignment, which place and size BARs), the ACS
+# override patch's, and amdgpu's switch for peer mappings. They are all the
+# report carries of /proc/cmdline: users paste reports into public issues,
+# and the rest of the line names disks, init arguments, hypervisor settings.
+P2P_KERNEL_PARAMS = IOMMU_KERNEL_PARAMS + ("pci", "pcie_acs_override", "amdgpu.pcie_p2p")
 
 
 
@@ -73,16 +82,34 @@ def pci_device_dir(sys_root: Path, bus_id: str) -> Path:
 # ------------------------------------------------------------- IOMMU
 
 
+def kernel_params(cmdline_text: str, names: Sequence[str]) -> list[str]:
+    """The words ("name" or "name=value") of a kernel command line whose
+    parameter is one of ``names``, in order. The words after "--" are init's
+    arguments, not the kernel's."""
+    words = cmdline_text.split()
+    if "--" in words:
+        words = words[:words.index("--")]
+    return [word for word in words if word.partition("=")[0] in names]
+
+
 def kernel_iommu_args(cmdline_text: str) -> dict[str, str]:
-    """The IOMMU arguments of a kernel command line (iommu=, amd_iommu=,
-    intel_iommu=, iommu.passthrough=, iommu.strict=), by name."""
-    names = ("iommu", "amd_iommu", "intel_iommu", "iommu.passthrough", "iommu.strict")
-    args = {}
-    for word in cmdline_text.split():
-        name, _, value = word.partition("=")
-        if name in names:
-            args[name] = value
-    return args
+    """The IOMMU arguments of a kernel command line (IOMMU_KERNEL_PARAMS), by
+    name; a repeated one has its last value, as the kernel takes it."""
+    return {name: value for name, _, value in
+            (word.partition("=") for word in kernel_params(cmdline_text, IOMMU_KERNEL_PARAMS))}
+
+
+def p2p_kernel_params(cmdline_text: str) -> str:
+    """The peer-to-peer parameters (P2P_KERNEL_PARAMS) of a kernel command
+    line, in their order, as a command line of their own: all of it that the
+    report carries."""
+    return " ".join(kernel_params(cmdline_text, P2P_KERNEL_PARAMS))
+
+
+def kernel_params_findings(p2p_params: str) -> list[dict]:
+    what = (f"peer-to-peer parameters of the kernel command line: {p2p_params}" if p2p_params else
+            "the kernel command line sets no peer-to-peer parameter (IOMMU, ACS, PCI, amdgpu.pcie_p2p)")
+    return [finding("kernel_params", "info", what)]
 
 
 def iommu_mode(cmdline_text: str, sys_root: Path, bus_ids: Sequence[str] = ()) -> dict:
@@ -364,17 +391,18 @@ def software() -> dict:
 
 
 def platform_report(sys_root: Path, proc_root: Path, gpus: list[dict], lspci_text: Optional[str]) -> dict:
-    """Everything Linux tells about peer-to-peer, and the findings from it."""
-    cmdline = read_text(Path(proc_root) / "cmdline") or ""
-    iommu = iommu_mode(cmdline, sys_root, [g["pci_bus_id"] for g in gpus if g["pci_bus_id"]])
+    """Everything Linux tells about peer-to-peer, and the findings from it.
+    Of the kernel command line it keeps the peer-to-peer parameters alone."""
+    p2p_params = p2p_kernel_params(read_text(Path(proc_root) / "cmdline") or "")
+    iommu = iommu_mode(p2p_params, sys_root, [g["pci_bus_id"] for g in gpus if g["pci_bus_id"]])
     lspci = parse_lspci(lspci_text) if lspci_text is not None else None
     amdgpu = read_module_params(sys_root, "amdgpu")
     p2pmem = read_p2pmem_devices(sys_root)
-    findings = (iommu_findings(iommu) + acs_findings(lspci) + bar_findings(gpus) + topology_findings(gpus)
-                + amdgpu_findings(amdgpu) + p2pdma_findings(p2pmem))
+    findings = (kernel_params_findings(p2p_params) + iommu_findings(iommu) + acs_findings(lspci) + bar_findings(gpus)
+                + topology_findings(gpus) + amdgpu_findings(amdgpu) + p2pdma_findings(p2pmem))
     acs = None if lspci is None else [{"bdf": d["bdf"], "description": d["description"], "acs_ctl": d["acs_ctl"]}
                                       for d in lspci if d["acs_ctl"]]
-    return {"kernel_cmdline": cmdline, "iommu": iommu, "acs": acs, "amdgpu_params": amdgpu,
+    return {"p2p_kernel_params": p2p_params, "iommu": iommu, "acs": acs, "amdgpu_params": amdgpu,
             "p2pmem_devices": p2pmem, "findings": findings}
 
 

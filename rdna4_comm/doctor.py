@@ -9,10 +9,6 @@ things that break peer-to-peer (IOMMU, ACS, BAR sizes, amdgpu parameters,
 P2PDMA), each with its usual fix, and the transport ``transport="auto"``
 chooses across all GPUs. Without GPUs it checks the CPU transport between 2
 processes instead. docs/doctor.md explains every part of the report.
-
-Exit status: 0 when the GPU peer-to-peer path is usable, 1 when "auto" falls
-back to another transport, 2 when a check failed in a way no transport covers
-(or the doctor itself could not run).
 """
 from __future__ import annotations
 
@@ -34,7 +30,30 @@ from ._timing import Op, format_table, measure
 from .communicator import Communicator
 from .transport_policy import shared_gpus_allowed
 
-EXIT_P2P_USABLE, EXIT_FALLBACK, EXIT_ERROR = 0, 1, 2
+EXIT_LIBRARY_RUNS, EXIT_LIBRARY_CANNOT_RUN, EXIT_DOCTOR_FAILED = 0, 1, 2
+# The rule of the exit status (why_library_cannot_run computes it), for --help.
+EXIT_STATUS_HELP = """\
+exit status: whether rdna4_comm can run on this box, on the transport that
+transport="auto" picks here (or that RDNA4_COMM_TRANSPORT forces, where set):
+  0  it can: that Communicator was built over the doctor's processes, an
+     all_reduce through it was bitwise equal to the reference, and, if it is
+     "gpu", every GPU pair passed its checks. Falling back to "cpu" (no GPUs)
+     or "dist" (GPU peer-to-peer unusable, the report says why) is 0 too: the
+     library runs there, on "dist" slower.
+  1  it cannot: that Communicator could not be built (e.g. a forced transport
+     that cannot work), its all_reduce failed, it is "gpu" although a GPU pair
+     failed, or torch sees GPUs but the extension was built without GPU
+     support; also when the extension cannot load (Python's ImportError,
+     before any report).
+  2  the doctor itself could not run (bad arguments, or an error of its own).
+To require GPU peer-to-peer, run the doctor with RDNA4_COMM_TRANSPORT=gpu.
+"""
+# The verdict's words for each transport the library can run on.
+TRANSPORT_MEANINGS = {
+    "gpu": "GPU peer-to-peer, every GPU pair passed its checks",
+    "cpu": "shared memory between the processes of this host",
+    "dist": "torch.distributed collectives, slower than GPU peer-to-peer: see the reason above",
+}
 # The pair check's large all_reduce: realistic for a prefill-sized tensor and
 # larger than the GPU buffer (16 MiB per slot), so it runs in chunks.
 DEFAULT_SIZE_MIB = 64
@@ -177,13 +196,28 @@ def pairs_skipped_reason(gpus: int) -> str:
             "sharing it (correctness only; its speed says nothing about peer links)")
 
 
+def why_library_cannot_run(report: dict) -> Optional[str]:
+    """Why rdna4_comm cannot run on this box, from the report's verdict and
+    pairs; None when it can (EXIT_STATUS_HELP states the rule). Failed pairs
+    count against "gpu" alone: the library would run over those links, while
+    "cpu" and "dist" use none, and failed pairs are why "auto" falls back."""
+    verdict, software = report["verdict"], report["software"]
+    if software["gpus_visible_to_torch"] and not software["extension_gpu_support"]:
+        return ("torch sees GPUs but rdna4_comm was built without GPU support, so it cannot take GPU tensors "
+                "(see README, 'Building for GPUs')")
+    if verdict.get("transport") is None:
+        return "no Communicator could be built over the doctor's processes (the error above)"
+    if verdict.get("error"):
+        return f"the all_reduce through transport '{verdict['transport']}' failed (the error above)"
+    failed = [p for p in report["pairs"] if not p["ok"]]
+    if verdict["transport"] == "gpu" and failed:
+        return ("transport 'gpu' would run over GPU pairs that failed their checks: "
+                + ", ".join(f"rank {p['ranks'][0]} <-> rank {p['ranks'][1]}" for p in failed))
+    return None
+
+
 def exit_code(report: dict) -> int:
-    verdict, pairs = report["verdict"], report["pairs"]
-    if verdict.get("error") or verdict.get("transport") is None:
-        return EXIT_ERROR
-    if verdict["transport"] != "gpu":
-        return EXIT_FALLBACK
-    return EXIT_P2P_USABLE if all(p["ok"] for p in pairs) else EXIT_ERROR
+    return EXIT_LIBRARY_RUNS if why_library_cannot_run(report) is None else EXIT_LIBRARY_CANNOT_RUN
 
 
 def diagnose(world: Optional[int], size_mib: int, samples: int, timeout_ms: int,
@@ -218,11 +252,12 @@ def verdict_text(report: dict) -> list[str]:
         lines.append(f"  all_reduce through it: {v['all_reduce']}")
     if v.get("error"):
         lines.append(f"  error: {v['error']}")
-    lines.append({
-        EXIT_P2P_USABLE: "  => the GPU peer-to-peer path is usable (exit 0)",
-        EXIT_FALLBACK: "  => transport='auto' falls back from GPU peer-to-peer (exit 1)",
-        EXIT_ERROR: "  => errors: see above (exit 2)",
-    }[report["exit_code"]])
+    why_not = why_library_cannot_run(report)
+    if why_not:
+        lines.append(f"  => rdna4_comm cannot run here: {why_not} (exit {report['exit_code']})")
+    else:
+        lines.append(f"  => rdna4_comm runs here on transport '{v['transport']}' "
+                     f"({TRANSPORT_MEANINGS[v['transport']]}) (exit {report['exit_code']})")
     return lines
 
 
@@ -276,7 +311,7 @@ def render(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rdna4_comm.doctor", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m rdna4_comm.doctor", description=__doc__, epilog=EXIT_STATUS_HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument("--json-file", type=Path, metavar="PATH",
@@ -298,9 +333,9 @@ def main(argv=None) -> int:
         report = diagnose(args.world, args.size_mib, args.samples, args.timeout_ms)
     except Exception as e:  # noqa: BLE001  (the doctor could not run: say why, exit 2)
         if args.json:
-            print(json.dumps({"error": error_text(e), "exit_code": EXIT_ERROR}))
+            print(json.dumps({"error": error_text(e), "exit_code": EXIT_DOCTOR_FAILED}))
         print(f"doctor: {error_text(e)}", file=sys.stderr)
-        return EXIT_ERROR
+        return EXIT_DOCTOR_FAILED
     if args.json_file is not None:
         args.json_file.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report, indent=1) if args.json else render(report), flush=True)
