@@ -27,14 +27,43 @@ def run(*args: str) -> subprocess.CompletedProcess:
                           timeout=TIMEOUT_S)
 
 
+DEMO_COLUMNS = 100
+DEMO_TABLE_OPS = ("all_reduce", "TP MLP block", "dispatch+combine")
+
+
 def test_demo_checks_pass_and_prints_a_latency_table():
     r = run("-m", "rdna4_comm.demo", *FAST)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "world of 2 (CPU processes" in r.stdout
-    assert r.stdout.count("  ok    ") == 5 and "FAIL" not in r.stdout
-    assert "TP MLP block" in r.stdout and "rdna4_comm_unfused p50 us" in r.stdout
-    assert "rdna4_comm p50 us" in r.stdout and "gloo p50 us" in r.stdout
-    assert "demo: all checks passed" in r.stdout
+    assert "FAIL" not in r.stdout and "demo: all checks passed" in r.stdout
+    checks_part, table_part = r.stdout.split("\nlatency: ")
+
+    # A check is its "  ok    " line and the indented lines after it; each
+    # names its tolerance (bitwise, or the bound) and why ("as ...").
+    checks = re.split(r"^  ok    ", checks_part, flags=re.M)[1:]
+    assert len(checks) == 5, checks_part
+    for check in checks:
+        text = " ".join(check.split())
+        bound = r"\|difference\| <= [\d.]+ \+ [\d.]+ x \|dense\|"
+        tolerance = re.search(rf"tolerance: (bitwise|{bound}).*?, as \w", text)
+        assert tolerance, text
+        if tolerance.group(1) != "bitwise":
+            assert re.search(r"max \|difference\| [\d.e-]+, no element past \d+% of its allowance", text), text
+
+    # The table and the legend under it fit 100 columns; every op in the
+    # table has its legend line, and every row its one baseline.
+    lines = ("latency: " + table_part).splitlines()
+    assert all(len(line) <= DEMO_COLUMNS for line in lines), [line for line in lines if len(line) > DEMO_COLUMNS]
+    header = next(i for i, line in enumerate(lines) if line.startswith("op "))
+    assert lines[header].split() == ["op", "tokens", "rdna4_comm", "us", "baseline", "baseline", "us", "speedup"]
+    rows = lines[header + 2:lines.index("what the rows time:")]
+    cells = [row.rsplit(maxsplit=5) for row in rows]  # op names have spaces, no other cell does
+    assert {op for op, *_ in cells} == set(DEMO_TABLE_OPS)
+    assert all(baseline == ("rdna4_comm_unfused" if op == "TP MLP block" else "gloo")
+               for op, _, _, baseline, _, _ in cells), rows
+    legend = lines[lines.index("what the rows time:") + 1:]
+    for op in DEMO_TABLE_OPS:
+        assert any(line.startswith(f"  {op}  ") for line in legend), (op, legend)
 
 
 @pytest.mark.parametrize("script, op, backends", [
