@@ -16,7 +16,8 @@ from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, C
 
 CPU_SOURCES = ["csrc/ops.cpp", "csrc/comm.cpp", "csrc/ep_layouts.cpp", "csrc/handle_checks.cpp", "csrc/cpu/cpu_comm.cpp",
                "csrc/torch_dist/dist_comm.cpp"]
-# One .cu per op family (all_reduce, all_reduce_rmsnorm, dispatch, combine, probe) and the test kernels.
+# One .cu per op family (all_reduce.cu, all_reduce_rmsnorm.cu, dispatch.cu, combine.cu, expert_layout.cu,
+# probe.cu) and the test kernels (testing.cu).
 GPU_SOURCES = ["csrc/gpu/gpu_comm.cpp"] + sorted(glob.glob("csrc/gpu/*.cu"))
 
 
@@ -65,8 +66,8 @@ setup(
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.9",
     install_requires=["torch>=2.4"],
-    # rdna4_comm.integrations.transformers, tested with transformers 5.18.0 and
-    # 5.24.0: 5.18 is the first whose experts modules skip the id num_experts
+    # rdna4_comm.integrations.transformers, tested with transformers 5.18.0,
+    # 5.19.0 and 5.24.0: 5.18 is the first whose experts modules skip the id num_experts
     # (experts of other ranks) in their eager and grouped_mm forwards.
     extras_require={"transformers": ["transformers>=5.18"]},
     entry_points={

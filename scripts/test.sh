@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs what the tests need, builds rdna4_comm in place and runs the test
-# suite. Extra arguments go to pytest:
+# Installs what the tests need (scripts/install.sh test), builds rdna4_comm in
+# place and runs the test suite. Extra arguments go to pytest:
 #
 #   bash scripts/test.sh                 # everything
 #   bash scripts/test.sh -x -k allreduce # stop at the first failure, a subset
@@ -12,5 +12,5 @@ set -euo pipefail
 ROOT="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
-bash scripts/install.sh
+bash scripts/install.sh test
 exec python3 -m pytest tests -q -p no:warnings "$@"
