@@ -4,7 +4,7 @@
 communicators of the same group, one made with ``dist_check_calls=True``
 (an all-gather of the ranks' call words before each op), side by side in
 one run. The P2P transports check always, inside the flags they publish
-(on GPUs: benchmarks/bench_kernels.py, before and after, docs/performance.md).
+(on GPUs: benchmarks/bench_kernels.py, before and after, docs/development.md).
 
 Rows: all_reduce of [tokens, hidden] fp32, and a decode step's dispatch +
 combine (top-8 of 256 experts, bf16, weights), at tokens 8 and 128.

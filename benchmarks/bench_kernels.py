@@ -107,8 +107,8 @@ Output: the table, the per-op kernel breakdown, and a JSONL results file
 (refuses to overwrite; a header line with versions, device and command, one
 "result" line per row, "ncu" lines per profiled op, "note" lines).
 
-    python3 benchmarks/bench_kernels.py --out docs/results/bench_kernels_h200.jsonl
-    python3 benchmarks/bench_kernels.py --ncu --out docs/results/bench_kernels_h200_ncu.jsonl
+    python3 benchmarks/bench_kernels.py --out bench_kernels.jsonl
+    python3 benchmarks/bench_kernels.py --ncu --out bench_kernels_ncu.jsonl
     python3 benchmarks/bench_kernels.py --device cpu --quick
 """
 from __future__ import annotations

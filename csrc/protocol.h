@@ -165,10 +165,10 @@ RC_HD bool combine_sums_short(int64_t block_tokens, int64_t row_vectors) {
 // weights, the source token) with one lane a slot where the lanes of one
 // warp hold them all: the block's last warp does, and takes no share of the
 // batch's copy, so the routing runs beside the copy instead of after a
-// lead warp's share of it (at T = 8 about 0.3 us of a dispatch on an H200:
-// docs/performance.md, "v15"). A larger batch leaves each row's routing to
-// the warp whose share of the copy starts the row. kGpuRoutingLanes: the
-// narrowest warp we build for (32 lanes on NVIDIA and RDNA; CDNA's 64).
+// lead warp's share of it (at T = 8 about 0.3 us of a dispatch on an H200).
+// A larger batch leaves each row's routing to the warp whose share of the
+// copy starts the row. kGpuRoutingLanes: the narrowest warp we build for (32
+// lanes on NVIDIA and RDNA; CDNA's 64).
 constexpr int kGpuRoutingLanes = 32;
 RC_HD bool dispatch_routing_warp(int64_t batch_rows, int64_t topk) { return batch_rows * topk <= kGpuRoutingLanes; }
 
@@ -177,7 +177,7 @@ RC_HD bool dispatch_routing_warp(int64_t batch_rows, int64_t topk) { return batc
 // rank). Two-shot: reduce-scatter then all-gather (two barriers,
 // 2*(W-1)/W*N bytes out per rank). One-shot wins while latency dominates.
 // At W = 2 both move the same bytes. The GPU threshold for W > 2 is not yet
-// measured (only 2 GPUs were available; docs/performance.md); the CPU one
+// measured (no machine with more than 2 GPUs was available); the CPU one
 // keeps memcpy traffic down for W > 2 beyond a few pages.
 constexpr int64_t kCpuOneShotMaxBytes = int64_t(64) << 10;
 constexpr int64_t kGpuOneShotMaxBytes = int64_t(512) << 10;
@@ -275,7 +275,7 @@ static_assert(kMaxGpuWorld * kMaxGpuTokensPerRank <= (int64_t(1) << 22), "a recv
 // block's loads in flight per multiprocessor, so the bytes in flight grow
 // with the grid: on an H200 dispatch and combine of 4096 tokens took 5%
 // longer on 3/4 of the multiprocessors, and 1-1.5% longer with one in 16
-// left out (docs/performance.md). dispatch/combine split that budget between
+// left out. dispatch/combine split that budget between
 // senders and receivers by the memory streams each role runs per row: dispatch senders
 // read a row of x once and write it to each of its destinations (about W
 // streams at most, W + 1 counted), receivers read the heap and write the
@@ -286,7 +286,7 @@ static_assert(kMaxGpuWorld * kMaxGpuTokensPerRank <= (int64_t(1) << 22), "a recv
 // (the last shorter), so every block moves the same rows: whole chunks per
 // block would leave blocks idle (128 chunks on 123 blocks run as two rounds
 // whichever way they are dealt). The split comes from this count, not yet
-// from a 2-GPU measurement (docs/performance.md).
+// from a 2-GPU measurement.
 struct EpGrid {
   int send_blocks;
   int recv_blocks;

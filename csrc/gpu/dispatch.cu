@@ -69,7 +69,7 @@ RC_DEVICE TokenRange sender_tokens(const DispatchArgs& a, const EpLaunch& lp, in
 // would otherwise follow): the ids it routes (every token's where it routes
 // them all), its chunk's weights, and its chunk's rows where a line per
 // thread covers them whole (dispatch_prefetches_chunk: prefetching the start
-// of a larger chunk made large dispatches slower, docs/performance.md "v11").
+// of a larger chunk made large dispatches slower on an H200).
 // Nothing for a receiver block (its range is empty).
 template <typename IdxT, int kMode>
 RC_DEVICE void prefetch_sender_inputs(const DispatchArgs& a, const Layout& L, const EpLaunch& lp, int b) {

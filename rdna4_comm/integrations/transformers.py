@@ -224,7 +224,7 @@ class ExpertParallelMoEBlock(nn.Module):
             takes them back. On one H200 a Mixtral layer whose experts module
             is of HF's grouped_mm implementation took 0.65-0.94x the rank
             layout's time in the expert layout (docs/performance.md, "The
-            expert layout on one H200").
+            expert layout").
 
     ``forward(hidden_states)`` takes what the block takes (``[B, S, H]``, or any
     ``[..., H]``) and returns what it returns, e.g. ``(hidden, router_scores)``

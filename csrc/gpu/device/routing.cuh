@@ -35,7 +35,7 @@ struct Routing {
   // the fast path), all of a group before the first is tested: the owner
   // test branches (a loop over the ranks), and with the loads interleaved
   // the compiler issued each after the test before it, so they waited for
-  // one another (the v11 kernels' SASS).
+  // one another (seen in the SASS).
   RC_DEVICE uint32_t mask(int64_t t) const {
     constexpr int G = KF > 0 ? KF : kIdGroup;
     const IdxT* row = idx + t * topk();
