@@ -18,7 +18,7 @@ CPU_SOURCES = ["csrc/ops.cpp", "csrc/comm.cpp", "csrc/ep_layouts.cpp", "csrc/han
                "csrc/torch_dist/dist_comm.cpp"]
 # One .cu per op family (all_reduce.cu, all_reduce_rmsnorm.cu, dispatch.cu, combine.cu, expert_layout.cu,
 # probe.cu) and the test kernels (testing.cu).
-GPU_SOURCES = ["csrc/gpu/gpu_comm.cpp"] + sorted(glob.glob("csrc/gpu/*.cu"))
+GPU_SOURCES = ["csrc/gpu/gpu_comm.cpp", "csrc/gpu/runtime.cpp"] + sorted(glob.glob("csrc/gpu/*.cu"))
 
 
 def select_backend() -> str:

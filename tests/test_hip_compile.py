@@ -1,11 +1,20 @@
-"""The device kernels compile as HIP for RDNA4 (gfx1201), RDNA3 (gfx1100) and
-CDNA3 (gfx942), and the gfx1201 code keeps the protocol's promises: flags are
+"""The GPU code compiles as HIP.
+
+Device: the kernels compile for RDNA4 (gfx1201), RDNA3 (gfx1100) and CDNA3
+(gfx942), and the gfx1201 code keeps the protocol's promises: flags are
 published with system-scope stores, every spin sleeps, no atomic reaches
 beyond the device (no peer atomics), waves are 32 lanes wide, and nothing
 spills to scratch. Every .cu file (one per op family) is checked on its own.
+Needs clang++-19 and HIP headers (Debian: clang-19 libamdhip64-dev).
 
-Needs clang++-19 and HIP headers (Debian: clang-19 libamdhip64-dev). Skipped
-without them unless RDNA4_COMM_REQUIRE_HIP=1 (set by .ci/run).
+Host: every file that calls the CUDA/HIP runtime (the kernels' launchers in
+the .cu files, and csrc/gpu/runtime.cpp, the host's only other caller)
+compiles as HIP host code against ROCm 6 headers, as a ROCm build of torch
+compiles it, and every runtime symbol it uses is one the HIP library
+exports. Needs the headers and library that scripts/fetch_rocm_headers.sh
+unpacks (RDNA4_COMM_ROCM_ROOT, default /opt/rdna4_comm/rocm).
+
+Skipped without the tools unless RDNA4_COMM_REQUIRE_HIP=1 (set by .ci/run).
 """
 from __future__ import annotations
 
@@ -31,11 +40,88 @@ KERNELS_OF = {
 }
 CLANG = shutil.which("clang++-19")
 HAVE_HIP = CLANG is not None and Path("/usr/include/hip/hip_runtime.h").exists()
+REQUIRED = os.environ.get("RDNA4_COMM_REQUIRE_HIP") == "1"
+ROCM = Path(os.environ.get("RDNA4_COMM_ROCM_ROOT", "/opt/rdna4_comm/rocm")) / "usr"
+HIP_LIBRARY = ROCM / "lib" / "x86_64-linux-gnu" / "libamdhip64.so"
+# The host files that call the runtime: every .cu (its launchers) and runtime.cpp.
+HOST_SOURCES = [*SOURCES, ROOT / "csrc" / "gpu" / "runtime.cpp"]
+# A call of the runtime in a source, through platform.h's names or directly
+# (RC_RT(Name) alone names a type or a constant); not the lines that define
+# those names.
+RUNTIME_CALL = re.compile(r"\bRC_RT\(\w+\)\s*\(|\bRC_LAUNCH\(|\b(?:cuda|hip)[A-Z]\w*\s*\(|<<<")
+
+
+def code(path: Path) -> str:
+    """The file without comments and #define lines."""
+    text = re.sub(r"//[^\n]*|/\*.*?\*/", "", path.read_text(), flags=re.S)
+    return re.sub(r"^\s*#\s*define\b.*?(?<!\\)$", "", text, flags=re.M | re.S)
+
+
+def calls_runtime(path: Path, seen: set) -> bool:
+    """Whether the file, or a csrc header it includes (transitively), calls the runtime."""
+    if path in seen:
+        return False
+    seen.add(path)
+    text = code(path)
+    if RUNTIME_CALL.search(text):
+        return True
+    return any(calls_runtime((path.parent / h).resolve(), seen)
+               for h in re.findall(r'^\s*#\s*include\s+"([^"]+)"', text, re.M))
+
+
+def test_every_host_file_that_calls_the_runtime_is_compiled_as_hip():
+    sources = [p for p in (ROOT / "csrc").rglob("*") if p.suffix in (".cpp", ".cu")]
+    callers = sorted(p.relative_to(ROOT).as_posix() for p in sources if calls_runtime(p.resolve(), set()))
+    assert callers == sorted(p.relative_to(ROOT).as_posix() for p in HOST_SOURCES)
+
 
 if not HAVE_HIP:
-    if os.environ.get("RDNA4_COMM_REQUIRE_HIP") == "1":
+    if REQUIRED:
         raise RuntimeError("RDNA4_COMM_REQUIRE_HIP=1 but clang++-19 or /usr/include/hip is missing")
     pytest.skip("clang++-19 and HIP headers not installed", allow_module_level=True)
+
+
+def compile_host(source: Path, out_dir: Path) -> Path:
+    """An object of `source` as a ROCm build of torch compiles it: a .cu as
+    HIP for gfx1201 (its host side here), a .cpp with the C++ compiler and
+    the HIP platform macros; against ROCM's headers, which -isystem puts
+    ahead of the system's older HIP."""
+    out = out_dir / f"{source.name}.o"
+    if source.suffix == ".cu":
+        cmd = [CLANG, "-x", "hip", "--offload-arch=gfx1201", "-nogpulib", "--cuda-host-only"]
+    else:
+        cmd = [shutil.which("c++") or CLANG, "-x", "c++", "-D__HIP_PLATFORM_AMD__=1", "-DUSE_ROCM=1"]
+    cmd += ["-std=c++17", "-isystem", str(ROCM / "include"), "-O2", "-Wall", "-c", str(source), "-o", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stderr}"
+    assert "warning" not in res.stderr, res.stderr
+    return out
+
+
+def symbols(args: list[str]) -> set[str]:
+    """nm's symbol names, without their version (hipMalloc@@hip_4.2)."""
+    res = subprocess.run(["nm", *args], capture_output=True, text=True, check=True)
+    return {line.split()[-1].split("@")[0] for line in res.stdout.splitlines() if line.strip()}
+
+
+@pytest.fixture(scope="module")
+def hip_exports() -> set[str]:
+    if not HIP_LIBRARY.exists():
+        if REQUIRED:
+            raise RuntimeError(f"RDNA4_COMM_REQUIRE_HIP=1 but {HIP_LIBRARY} is missing: run scripts/fetch_rocm_headers.sh")
+        pytest.skip(f"{HIP_LIBRARY} missing: run scripts/fetch_rocm_headers.sh")
+    return symbols(["-D", "--defined-only", str(HIP_LIBRARY)])
+
+
+@pytest.mark.parametrize("source", HOST_SOURCES, ids=lambda p: p.name)
+def test_host_code_compiles_as_hip_against_rocm_and_links_to_its_library(source, hip_exports, tmp_path):
+    version = (ROCM / "include" / "hip" / "hip_version.h").read_text()
+    assert int(re.search(r"#define HIP_VERSION_MAJOR (\d+)", version).group(1)) >= 6, "ROCm 6 or newer"
+    used = {s for s in symbols(["-u", str(compile_host(source, tmp_path))]) if s.lower().startswith(("hip", "__hip"))}
+    # Made by the compiler's offload bundling when the device code is linked in.
+    used -= {"__hip_fatbin_", "__hip_gpubin_handle_"}
+    assert used, f"{source.name}: no HIP runtime symbol used"
+    assert not used - hip_exports, f"{source.name}: not exported by {HIP_LIBRARY}: {sorted(used - hip_exports)}"
 
 
 def compile_hip(source: Path, arch: str, out_dir: Path) -> str:

@@ -17,6 +17,7 @@
 
 #include "../comm.h"
 #include "kernels.h"
+#include "runtime.h"
 
 namespace rdna4_comm {
 namespace {

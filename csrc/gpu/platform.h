@@ -1,7 +1,8 @@
-// Every difference between CUDA and HIP lives here: runtime API names,
-// system-scope release/acquire, the spin-loop pause and timer, warp width,
-// ballots and half-precision bit conversions. Kernels and host glue use only
-// the names below.
+// Every difference between CUDA and HIP in the kernels and their launches
+// lives here: runtime type and launch names, system-scope release/acquire,
+// the spin-loop pause and timer, warp width, ballots and half-precision bit
+// conversions. Kernels and launchers use only the names below; the host's
+// other runtime calls are runtime.cpp's.
 //
 // HIP is selected when compiling device code with clang/hipcc (__HIP__) or
 // host code inside a ROCm build of torch (__HIP_PLATFORM_AMD__ / USE_ROCM).
@@ -35,98 +36,6 @@ namespace gpu {
   kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
 #endif
 using Stream = RC_RT(Stream_t);
-// Blocks of `threads` threads of `kernel` that one multiprocessor holds at
-// once, given the kernel's registers and shared memory.
-template <typename Kernel>
-inline int resident_blocks_per_sm(Kernel kernel, int threads) {
-  int n = 0;
-  return RC_RT(OccupancyMaxActiveBlocksPerMultiprocessor)(&n, kernel, threads, 0) == RC_RT(Success) ? n : 0;
-}
-
-// ------------------------------------------------------------ runtime API
-// Host glue only. The kernels define RC_KERNELS_ONLY (device/launch.cuh):
-// they must also compile against older HIP headers (CI checks the gfx1201
-// code with Debian's HIP).
-#ifndef RC_KERNELS_ONLY
-#if defined(RC_HIP) && HIP_VERSION_MAJOR < 6
-#error "rdna4_comm's GPU transport needs ROCm 6 or newer (gfx1201 needs ROCm 6.3+)"
-#endif
-using Error = RC_RT(Error_t);
-using IpcHandle = RC_RT(IpcMemHandle_t);
-constexpr Error kSuccess = RC_RT(Success);
-constexpr Error kPeerAccessAlreadyEnabled = RC_RT(ErrorPeerAccessAlreadyEnabled);
-inline const char* error_string(Error e) { return RC_RT(GetErrorString)(e); }
-inline Error get_last_error() { return RC_RT(GetLastError)(); }
-inline Error device_by_pci_bus_id(int* d, const char* id) { return RC_RT(DeviceGetByPCIBusId)(d, id); }
-inline Error pci_bus_id(char* buf, int len, int d) { return RC_RT(DeviceGetPCIBusId)(buf, len, d); }
-inline Error can_access_peer(int* ok, int d, int peer) { return RC_RT(DeviceCanAccessPeer)(ok, d, peer); }
-inline Error enable_peer_access(int peer) { return RC_RT(DeviceEnablePeerAccess)(peer, 0); }
-inline Error malloc_data(void** p, size_t n) { return RC_RT(Malloc)(p, n); }
-inline Error free_device(void* p) { return RC_RT(Free)(p); }
-inline Error host_device_pointer(void** d, void* h) { return RC_RT(HostGetDevicePointer)(d, h, 0); }
-inline Error memset_device(void* p, int v, size_t n) { return RC_RT(Memset)(p, v, n); }
-inline Error memcpy_to_host(void* dst, const void* src, size_t n) {
-  return RC_RT(Memcpy)(dst, src, n, RC_RT(MemcpyDeviceToHost));
-}
-inline Error ipc_get_handle(IpcHandle* h, void* p) { return RC_RT(IpcGetMemHandle)(h, p); }
-inline Error ipc_open_handle(void** p, const IpcHandle& h) {
-  return RC_RT(IpcOpenMemHandle)(p, h, RC_RT(IpcMemLazyEnablePeerAccess));
-}
-inline Error ipc_close_handle(void* p) { return RC_RT(IpcCloseMemHandle)(p); }
-inline Error device_synchronize() { return RC_RT(DeviceSynchronize)(); }
-using Event = RC_RT(Event_t);
-inline Error event_create(Event* e) { return RC_RT(EventCreateWithFlags)(e, RC_RT(EventDisableTiming)); }
-inline Error event_destroy(Event e) { return RC_RT(EventDestroy)(e); }
-inline Error stream_is_capturing(Stream s, bool* capturing) {
-  RC_RT(StreamCaptureStatus) status;
-  const Error e = RC_RT(StreamIsCapturing)(s, &status);
-  *capturing = status != RC_RT(StreamCaptureStatusNone);
-  return e;
-}
-// Under capture, `external` makes the record and the wait nodes of the graph
-// that act on every launch of it, where plain ones would only be
-// dependencies inside the graph (and waiting on an event recorded outside
-// the capture would be an error).
-inline Error event_record(Event e, Stream s, bool external) {
-  return RC_RT(EventRecordWithFlags)(e, s, external ? RC_RT(EventRecordExternal) : RC_RT(EventRecordDefault));
-}
-inline Error stream_wait_event(Stream s, Event e, bool external) {
-  return RC_RT(StreamWaitEvent)(s, e, external ? RC_RT(EventWaitExternal) : RC_RT(EventWaitDefault));
-}
-#ifdef RC_HIP
-// Flags and counters: uncached, so peer writes are seen without cache
-// maintenance and spins poll memory, not a stale line.
-inline Error malloc_signals(void** p, size_t n) {
-  return hipExtMallocWithFlags(p, n, hipDeviceMallocUncached);
-}
-inline Error host_alloc_mapped(void** p, size_t n) { return hipHostMalloc(p, n, hipHostMallocMapped); }
-inline Error free_host(void* p) { return hipHostFree(p); }
-inline Error multiprocessor_count(int* n, int d) {
-  return hipDeviceGetAttribute(n, hipDeviceAttributeMultiprocessorCount, d);
-}
-// Spin timer ticks per millisecond: the constant-rate wall clock.
-inline Error timer_ticks_per_ms(uint64_t* t, int d) {
-  int khz = 0;
-  Error e = hipDeviceGetAttribute(&khz, hipDeviceAttributeWallClockRate, d);
-  *t = uint64_t(khz > 0 ? khz : 100000);
-  return e;
-}
-#else
-// NVIDIA keeps peer-written device memory coherent for system-scope
-// acquire loads; a plain allocation serves for flags.
-inline Error malloc_signals(void** p, size_t n) { return cudaMalloc(p, n); }
-inline Error host_alloc_mapped(void** p, size_t n) { return cudaHostAlloc(p, n, cudaHostAllocMapped); }
-inline Error free_host(void* p) { return cudaFreeHost(p); }
-inline Error multiprocessor_count(int* n, int d) {
-  return cudaDeviceGetAttribute(n, cudaDevAttrMultiProcessorCount, d);
-}
-// Spin timer ticks per millisecond: %globaltimer counts nanoseconds.
-inline Error timer_ticks_per_ms(uint64_t* t, int) {
-  *t = 1000000;
-  return cudaSuccess;
-}
-#endif
-#endif  // RC_KERNELS_ONLY
 
 // --------------------------------------------------------------- device
 #ifdef RC_DEVICE  // compiled as device code (qualifiers.h)

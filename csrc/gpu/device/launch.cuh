@@ -1,11 +1,8 @@
 // Included first by every device header: the launch interface, the block
 // size of every kernel, and the host-side launch helpers of the launch_*
-// functions. RC_KERNELS_ONLY keeps platform.h to its device half, so the
-// kernels also build against HIP headers without the runtime's host API
-// (CI compiles them with Debian's clang-19 and HIP headers).
+// functions.
 #pragma once
 
-#define RC_KERNELS_ONLY
 #include "../kernels.h"
 
 #include <initializer_list>
@@ -21,6 +18,14 @@ constexpr int kMinWarpSize = 32;
 static_assert(kGpuRoutingLanes == kMinWarpSize, "a routing warp's slots fit every warp width");
 constexpr int kMaxWarps = kThreads / kMinWarpSize;
 static_assert(kThreads % 64 == 0, "a block is whole warps for every warp size");
+
+// Blocks of `threads` threads of `kernel` that one multiprocessor holds at
+// once, given the kernel's registers and shared memory.
+template <typename Kernel>
+int resident_blocks_per_sm(Kernel kernel, int threads) {
+  int n = 0;
+  return RC_RT(OccupancyMaxActiveBlocksPerMultiprocessor)(&n, kernel, threads, 0) == RC_RT(Success) ? n : 0;
+}
 
 // Every kernel runs kThreads threads a block; `blocks` comes from the grid
 // policies in protocol.h (dispatch_grid, combine_grid, allreduce_blocks).
