@@ -14,8 +14,11 @@ import torch
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
-CPU_SOURCES = ["csrc/ops.cpp", "csrc/comm.cpp", "csrc/ep_layouts.cpp", "csrc/handle_checks.cpp", "csrc/cpu/cpu_comm.cpp",
-               "csrc/torch_dist/dist_comm.cpp"]
+# Built in every build (gpu_transport.cpp: the GPU transport's record, which
+# exists without GPU support too).
+CPU_SOURCES = ["csrc/bindings.cpp", "csrc/ops.cpp", "csrc/eager.cpp", "csrc/transport.cpp", "csrc/comm.cpp",
+               "csrc/ep_layouts.cpp", "csrc/handle_checks.cpp", "csrc/cpu/cpu_comm.cpp",
+               "csrc/torch_dist/dist_comm.cpp", "csrc/gpu/gpu_transport.cpp"]
 # One .cu per op family (all_reduce.cu, all_reduce_rmsnorm.cu, dispatch.cu, combine.cu, expert_layout.cu,
 # probe.cu) and the test kernels (testing.cu).
 GPU_SOURCES = ["csrc/gpu/gpu_comm.cpp", "csrc/gpu/runtime.cpp"] + sorted(glob.glob("csrc/gpu/*.cu"))

@@ -133,7 +133,8 @@ std::string Comm::exit_message(int peer) const {
   return s.str();
 }
 
-Comm::Comm(CommConfig cfg) : cfg_(with_element_size(std::move(cfg))), layout_(make_layout(cfg_)) {}
+Comm::Comm(CommConfig cfg)
+    : cfg_(with_element_size(std::move(cfg))), layout_(make_layout(cfg_)), transport_(find_transport(cfg_.transport)) {}
 
 namespace {
 std::string call_dtype_name(int dtype) {
@@ -223,7 +224,7 @@ std::string Comm::timeout_message(int op, int peer, uint64_t round, uint64_t min
   const uint64_t now = peer_words[round & 1], before = peer_words[(round + 1) & 1];
   if (call_of_round(now, round)) {
     s << "Rank " << peer << " made that call too, but its part did not arrive: it died or stalled inside the call"
-      << (cfg_.transport == "gpu" ? ", or its peer-to-peer writes do not reach this GPU" : "") << ".";
+      << (transport_.writes_cross_links ? ", or its peer-to-peer writes do not reach this GPU" : "") << ".";
   } else {
     s << "Rank " << peer << " had not made this call by then";
     if (round > 1 && call_of_round(before, round - 1))
@@ -294,7 +295,7 @@ at::Tensor Comm::all_reduce(const at::Tensor& x) {
   if (cfg_.world == 1) return out.copy_(x);
   call_ = all_reduce_call(call_dtype_of(st), x.numel());
   all_reduce_into(st, static_cast<const char*>(x.data_ptr()), static_cast<char*>(out.data_ptr()), x.numel(),
-                  /*gpu=*/cfg_.transport == "gpu");
+                  transport_.device_kernels);
   return out;
 }
 
@@ -346,7 +347,7 @@ std::pair<at::Tensor, at::Tensor> Comm::all_reduce_rmsnorm(const at::Tensor& x,
   TORCH_CHECK_VALUE(H <= kCallMaxHidden && T <= kCallMaxRows, op, ": x must have at most ", kCallMaxRows,
                     " rows of at most ", kCallMaxHidden, " elements, got ", shape_str(x));
   call_ = rmsnorm_call(call_dtype_of(st), residual.has_value(), H, T);
-  const bool gpu = cfg_.transport == "gpu";
+  const bool gpu = transport_.device_kernels;
   if (T == 0) {  // no rows: an empty all_reduce round, which still announces the call
     all_reduce_into(st, nullptr, nullptr, 0, gpu);
     return {out, res_out};
@@ -548,7 +549,7 @@ void register_comm(std::shared_ptr<Comm> comm) {
 }
 
 int64_t allreduce_slot_bytes(const std::string& transport, int64_t requested) {
-  const int64_t slot = requested > 0 ? requested : (transport == "cpu" ? int64_t(1) << 20 : int64_t(16) << 20);
+  const int64_t slot = requested > 0 ? requested : find_transport(transport).default_slot_bytes;
   return int64_t(align_up(size_t(slot), kAlign));
 }
 

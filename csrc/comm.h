@@ -15,21 +15,36 @@
 #include <initializer_list>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fp8.h"
 #include "layout.h"
+#include "transport.h"
 
 namespace rdna4_comm {
+
+// A CommConfig field as Python sees it (CommConfig::each_field).
+struct ConfigField {
+  const char* name;  // _C.CommConfig's keyword and attribute
+  // The Communicator keyword argument that gives it ("": none), and, with a
+  // docstring, the read-only Communicator property of that name.
+  const char* argument;
+  const char* doc;
+  // Every rank must pass the same argument: it shapes the symmetric heap or
+  // the ops' collectives, and a rank with another value would lay its rows
+  // out otherwise, write past its peers' buffers or run other collectives.
+  bool agreed;
+};
 
 // Everything a communicator is made of: the heap's sizes (HeapConfig, what
 // the layout derives from) and the rest. Built once, with keywords, by the
 // Python Communicator (_C.CommConfig, which validates the values first) and
 // read-only after; the C++ side validates the ops' arguments and answers the
-// fakes' questions about shapes (_C.dispatch_outputs, _C.combine_output).
+// fakes' questions about shapes (_C.output_specs).
 struct CommConfig : HeapConfig {
   std::string id;
-  std::string transport;  // "cpu", "gpu" or "dist"
+  std::string transport;  // a registered transport's name (transport.h)
   std::string group_name;  // dist: the torch.distributed group the ops run on (c10d::resolve_process_group)
   int rank = 0;
   at::ScalarType dtype = at::kBFloat16;  // EP payload; `elt` follows it
@@ -43,6 +58,39 @@ struct CommConfig : HeapConfig {
   // Transport "dist": whether each round first exchanges the ranks' call
   // words (one more collective; the P2P transports always check them).
   bool dist_check_calls = false;
+
+  // Every field that Python sets: f(ConfigField, member pointer). The one
+  // list of them: _C.CommConfig's keywords and attributes, and the
+  // Communicator's properties and cross-rank agreement check
+  // (rdna4_comm/communicator.py), come from it.
+  template <typename F>
+  static void each_field(F&& f) {
+    f(ConfigField{"id", "", "", false}, &CommConfig::id);
+    f(ConfigField{"transport", "", "", false}, &CommConfig::transport);
+    f(ConfigField{"group_name", "", "", false}, &CommConfig::group_name);
+    f(ConfigField{"rank", "", "", false}, &CommConfig::rank);
+    f(ConfigField{"world", "", "", false}, &CommConfig::world);
+    f(ConfigField{"cap", "max_tokens_per_rank", "``cap``, the most tokens a rank dispatches; 0 without dispatch/combine.", true}, &CommConfig::cap);
+    f(ConfigField{"hidden", "hidden", "``H``; 0 without dispatch/combine.", true}, &CommConfig::hidden);
+    f(ConfigField{"topk", "topk", "``K``; 0 without dispatch/combine.", true}, &CommConfig::topk);
+    f(ConfigField{"num_experts", "num_experts", "``E``; 0 without dispatch/combine.", true}, &CommConfig::num_experts);
+    f(ConfigField{"dtype", "dtype", "Payload dtype of dispatch/combine.", true}, &CommConfig::dtype);
+    f(ConfigField{"dispatch_dtype", "dispatch_dtype", "torch.float8_e4m3fn for FP8 dispatch, else None.", true},
+      &CommConfig::dispatch_dtype);
+    f(ConfigField{"ar_slot_bytes", "allreduce_slot_bytes",
+                  "Bytes of all_reduce's slot per parity and source (the transport's default when none was given).",
+                  true},
+      &CommConfig::ar_slot_bytes);
+    f(ConfigField{"timeout_ms", "timeout_ms", "Bound of every wait, in milliseconds.", false}, &CommConfig::timeout_ms);
+    f(ConfigField{"device_index", "", "", false}, &CommConfig::device_index);
+    f(ConfigField{"expert_alignment", "expert_alignment", "Row alignment of each expert's block in the expert layout.",
+                  true},
+      &CommConfig::expert_alignment);
+    f(ConfigField{"max_expert_rows", "max_expert_rows", "", true}, &CommConfig::max_expert_rows);
+    f(ConfigField{"dist_check_calls", "dist_check_calls",
+                  "Transport \"dist\": whether each op first exchanges the ranks' calls.", true},
+      &CommConfig::dist_check_calls);
+  }
 
   bool has_ep() const { return cap > 0; }
   bool fp8() const { return dispatch_dtype == at::kFloat8_e4m3fn; }
@@ -94,32 +142,9 @@ uint64_t process_start_time(int pid);
 // replaced by a reused pid, not a zombie).
 bool process_alive(const PeerProcess& p);
 
-// Outputs of dispatch, in schema order. Rows of x from counts.sum() on are
-// unspecified (never written: a decode step must not pay for the capacity);
-// the routing of those rows is -1 ids and 0 weights.
-struct Dispatched {
-  at::Tensor x;           // [W*cap, H] dtype, or FP8 (an FP8 communicator)
-  at::Tensor topk_idx;    // [W*cap, K] the ids' dtype (int32 or int64), local expert id or -1
-  at::Tensor topk_weights;  // [W*cap, K] the weights' dtype (fp32, bf16 or fp16), or [0, K] without weights
-  at::Tensor counts;      // [W] int32 rows received per source
-  at::Tensor recv_src;    // [W*cap] int32: source rank * cap + source token, -1 for padding
-  at::Tensor src_tokens;  // [W] int32: T of each source rank
-  at::Tensor send_mask;   // [T] int32: bit d set when the token was sent to rank d
-  at::Tensor dispatch_round;  // [1] int64: this dispatch's round (calls.h), the same on every rank
-  at::Tensor x_scales;    // FP8: [W*cap, fp8_num_scales(H)] fp32, x's scales; else undefined
-  // The expert layout's dispatch on the GPU transport leaves the rows where
-  // they are, for the placement to read (Comm::place_expert_rows): the
-  // peers' in the heap; this rank's own in own_rows (and own_scales), the
-  // caller's x ([T, H]) and scales, where the payload is the input's bytes
-  // (not FP8 quantised by the op) on 16-byte vectors; else in x and x_scales.
-  bool peer_rows_in_heap = false;
-  at::Tensor own_rows, own_scales;
-};
-
 // An EP op's output: its shape, kTokenDim standing for the caller's token
-// count, and dtype. The transports' outputs and the fakes
-// (rdna4_comm.ops, through _C.dispatch_outputs and _C.combine_output) are
-// built from these alone.
+// count, and dtype. The transports' outputs and the fakes (rdna4_comm.ops,
+// through _C.output_specs) are built from these alone.
 constexpr int64_t kTokenDim = -1;
 struct OutputSpec {
   std::array<int64_t, 2> shape;
@@ -130,24 +155,85 @@ struct OutputSpec {
     return {shape[0] == kTokenDim ? ntok : shape[0], shape[1] == kTokenDim ? ntok : shape[1]};
   }
 };
-// Dispatched's fields in the op's order (x, topk_idx, topk_weights, counts,
-// recv_src, src_tokens, send_mask, dispatch_round).
-constexpr int kDispatchOutputs = 8;
+
+// The EP ops' results are structs of named outputs, each a T: at::Tensor
+// for the values, OutputSpec for their shapes. outputs() is the one list of
+// an op's outputs, by name and in the op's order (ops.cpp makes the
+// schemas, the kernels' and eager calls' results and the fakes' specs from
+// it). x_scales, last, is the FP8 ops' alone.
+template <typename T>
+struct RankLayoutOf {
+  T x;               // [W*cap, H] dtype, or FP8 (an FP8 communicator)
+  T topk_idx;        // [W*cap, K] the ids' dtype (int32 or int64), local expert id or -1
+  T topk_weights;    // [W*cap, K] the weights' dtype (fp32, bf16 or fp16), or [0, K] without weights
+  T counts;          // [W] int32 rows received per source
+  T recv_src;        // [W*cap] int32: source rank * cap + source token, -1 for padding
+  T src_tokens;      // [W] int32: T of each source rank
+  T send_mask;       // [T] int32: bit d set when the token was sent to rank d
+  T dispatch_round;  // [1] int64: this dispatch's round (calls.h), the same on every rank
+  T x_scales;        // FP8: [W*cap, fp8_num_scales(H)] fp32, x's scales; else undefined
+  static constexpr std::array<std::pair<const char*, T RankLayoutOf::*>, 9> outputs() {
+    return {{{"x", &RankLayoutOf::x},
+             {"topk_idx", &RankLayoutOf::topk_idx},
+             {"topk_weights", &RankLayoutOf::topk_weights},
+             {"counts", &RankLayoutOf::counts},
+             {"recv_src", &RankLayoutOf::recv_src},
+             {"src_tokens", &RankLayoutOf::src_tokens},
+             {"send_mask", &RankLayoutOf::send_mask},
+             {"dispatch_round", &RankLayoutOf::dispatch_round},
+             {"x_scales", &RankLayoutOf::x_scales}}};
+  }
+};
+
+// dispatch's result. Rows of x from counts.sum() on are unspecified (never
+// written: a decode step must not pay for the capacity); the routing of
+// those rows is -1 ids and 0 weights.
+struct Dispatched : RankLayoutOf<at::Tensor> {
+  // The expert layout's dispatch on the GPU transport leaves the rows where
+  // they are, for the placement to read (Comm::place_expert_rows): the
+  // peers' in the heap; this rank's own in own_rows (and own_scales), the
+  // caller's x ([T, H]) and scales, where the payload is the input's bytes
+  // (not FP8 quantised by the op) on 16-byte vectors; else in x and x_scales.
+  bool peer_rows_in_heap = false;
+  at::Tensor own_rows, own_scales;
+};
 
 // The expert layout (docs/semantics.md, "Expert layout"): dispatch's rows
-// grouped by local expert, built from the rank layout's. Fields in the
-// op's order.
-struct ExpertDispatched {
-  at::Tensor x;               // [expert_rows, H] dtype
-  at::Tensor expert_counts;   // [E_loc] int32
-  at::Tensor expert_offsets;  // [E_loc + 1] int32, aligned to expert_alignment
-  at::Tensor topk_weights;    // [expert_rows] the weights' dtype, or [0]
-  at::Tensor recv_src, counts, src_tokens, send_mask;  // the rank layout's handle
-  at::Tensor expert_rows_of;  // [W*cap, K] int32: a received row's expert rows, ascending expert, then -1
-  at::Tensor dispatch_round;  // [1] int64, as Dispatched's
-  at::Tensor x_scales;        // FP8: [expert_rows, fp8_num_scales(H)] fp32; else undefined
+// grouped by local expert, built from the rank layout's.
+template <typename T>
+struct ExpertLayoutOf {
+  T x;                // [expert_rows, H] dtype
+  T expert_counts;    // [E_loc] int32
+  T expert_offsets;   // [E_loc + 1] int32, aligned to expert_alignment
+  T topk_weights;     // [expert_rows] the weights' dtype, or [0]
+  T recv_src, counts, src_tokens, send_mask;  // the rank layout's handle
+  T expert_rows_of;   // [W*cap, K] int32: a received row's expert rows, ascending expert, then -1
+  T dispatch_round;   // [1] int64, as the rank layout's
+  T x_scales;         // FP8: [expert_rows, fp8_num_scales(H)] fp32; else undefined
+  static constexpr std::array<std::pair<const char*, T ExpertLayoutOf::*>, 11> outputs() {
+    return {{{"x", &ExpertLayoutOf::x},
+             {"expert_counts", &ExpertLayoutOf::expert_counts},
+             {"expert_offsets", &ExpertLayoutOf::expert_offsets},
+             {"topk_weights", &ExpertLayoutOf::topk_weights},
+             {"recv_src", &ExpertLayoutOf::recv_src},
+             {"counts", &ExpertLayoutOf::counts},
+             {"src_tokens", &ExpertLayoutOf::src_tokens},
+             {"send_mask", &ExpertLayoutOf::send_mask},
+             {"expert_rows_of", &ExpertLayoutOf::expert_rows_of},
+             {"dispatch_round", &ExpertLayoutOf::dispatch_round},
+             {"x_scales", &ExpertLayoutOf::x_scales}}};
+  }
 };
-constexpr int kExpertDispatchOutputs = 10;
+using ExpertDispatched = ExpertLayoutOf<at::Tensor>;
+
+// f(name, tensor field, spec field) for each output of an op whose result
+// is a Result<T>, in order: x_scales only for an FP8 op.
+template <template <typename> class Result, typename F>
+void for_each_output(bool fp8, F&& f) {
+  constexpr auto tensors = Result<at::Tensor>::outputs();
+  constexpr auto specs = Result<OutputSpec>::outputs();
+  for (size_t i = 0; i < tensors.size() - (fp8 ? 0 : 1); ++i) f(tensors[i].first, tensors[i].second, specs[i].second);
+}
 
 // One chunk of all_reduce_rmsnorm: `rows` whole rows of `hidden` elements,
 // row-major and contiguous. residual is null without one; weight holds
@@ -176,6 +262,7 @@ class Comm {
 
   const CommConfig& config() const { return cfg_; }
   const Layout& layout() const { return layout_; }
+  const Transport& transport() const { return transport_; }
 
   // Bootstrap, in this order on every rank, with a group barrier between
   // connect() and finish(): export this rank's heap, open every peer's,
@@ -198,18 +285,15 @@ class Comm {
   // Peers it cannot see are bounded by the timeout alone.
   virtual void watch_peers(const std::vector<PeerProcess>& peers);
 
-  std::array<OutputSpec, kDispatchOutputs> dispatch_outputs(at::ScalarType idx_dtype,
-                                                            c10::optional<at::ScalarType> weights_dtype) const;
+  // The EP ops' output shapes (x_scales: an FP8 communicator's only).
+  RankLayoutOf<OutputSpec> dispatch_outputs(at::ScalarType idx_dtype,
+                                            c10::optional<at::ScalarType> weights_dtype) const;
+  ExpertLayoutOf<OutputSpec> dispatch_expert_outputs(c10::optional<at::ScalarType> weights_dtype) const;
   OutputSpec combine_output() const;
   // A fresh output of `spec` for `ntok` tokens (empty()). Each output is an
   // allocation of its own: outputs of one op that share a storage (disjoint
   // views of one allocation) fail torch.library.opcheck's schema test.
   at::Tensor empty_output(const OutputSpec& spec, int64_t ntok) const;
-  std::array<OutputSpec, kExpertDispatchOutputs> dispatch_expert_outputs(
-      c10::optional<at::ScalarType> weights_dtype) const;
-  // An FP8 dispatch's x_scales, after the other outputs (rows: W*cap, or
-  // expert_rows for the expert layout).
-  OutputSpec dispatch_scales_output(bool expert_layout) const;
 
   at::Tensor all_reduce(const at::Tensor& x);
   // x_scales: an FP8 communicator's pre-quantised input (x is then the FP8
@@ -335,6 +419,7 @@ class Comm {
 
   CommConfig cfg_;
   Layout layout_;
+  const Transport& transport_;  // cfg_.transport's record
   std::vector<PeerProcess> watched_;
   std::array<int64_t, kNumRmsNormPaths + 1> rmsnorm_counts_{};
 
@@ -365,10 +450,8 @@ std::shared_ptr<Comm> find_comm(const std::string& id);  // raises when there is
 std::shared_ptr<Comm> lookup_comm(const std::string& id);  // nullptr when there is none
 void remove_comm(const std::string& id);
 
-std::shared_ptr<Comm> make_cpu_comm(CommConfig cfg);
-std::shared_ptr<Comm> make_dist_comm(CommConfig cfg);
 #ifdef RDNA4_COMM_WITH_GPU
-std::shared_ptr<Comm> make_gpu_comm(CommConfig cfg);
+std::shared_ptr<Comm> make_gpu_comm(CommConfig cfg);  // registered by gpu/gpu_transport.cpp
 // Whether the current stream of the device is capturing a graph.
 bool current_stream_capturing(int device_index);
 // The expert layout on the device (csrc/gpu/expert_layout.cu), on the

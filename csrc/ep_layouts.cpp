@@ -46,17 +46,38 @@ int64_t received_rows(const at::Tensor& counts) {
 
 }  // namespace
 
-std::array<OutputSpec, kDispatchOutputs> Comm::dispatch_outputs(at::ScalarType idx_dtype,
-                                                                c10::optional<at::ScalarType> weights_dtype) const {
+RankLayoutOf<OutputSpec> Comm::dispatch_outputs(at::ScalarType idx_dtype,
+                                                c10::optional<at::ScalarType> weights_dtype) const {
   const int64_t rows = int64_t(cfg_.world) * cfg_.cap, K = cfg_.topk;
-  return {{{{rows, cfg_.hidden}, 2, cfg_.dispatched_dtype()},
-           {{rows, K}, 2, idx_dtype},
-           {{weights_dtype ? rows : 0, K}, 2, weights_dtype.value_or(at::kFloat)},
-           {{cfg_.world, 0}, 1, at::kInt},
-           {{rows, 0}, 1, at::kInt},
-           {{cfg_.world, 0}, 1, at::kInt},
-           {{kTokenDim, 0}, 1, at::kInt},
-           {{1, 0}, 1, at::kLong}}};
+  RankLayoutOf<OutputSpec> s;
+  s.x = {{rows, cfg_.hidden}, 2, cfg_.dispatched_dtype()};
+  s.topk_idx = {{rows, K}, 2, idx_dtype};
+  s.topk_weights = {{weights_dtype ? rows : 0, K}, 2, weights_dtype.value_or(at::kFloat)};
+  s.counts = {{cfg_.world, 0}, 1, at::kInt};
+  s.recv_src = {{rows, 0}, 1, at::kInt};
+  s.src_tokens = {{cfg_.world, 0}, 1, at::kInt};
+  s.send_mask = {{kTokenDim, 0}, 1, at::kInt};
+  s.dispatch_round = {{1, 0}, 1, at::kLong};
+  s.x_scales = {{rows, cfg_.fp8_scales}, 2, at::kFloat};
+  return s;
+}
+
+ExpertLayoutOf<OutputSpec> Comm::dispatch_expert_outputs(c10::optional<at::ScalarType> weights_dtype) const {
+  const int64_t E = cfg_.experts_per_rank(), n = cfg_.expert_rows();
+  const RankLayoutOf<OutputSpec> rank = dispatch_outputs(at::kInt, weights_dtype);
+  ExpertLayoutOf<OutputSpec> s;
+  s.x = {{n, cfg_.hidden}, 2, cfg_.dispatched_dtype()};
+  s.expert_counts = {{E, 0}, 1, at::kInt};
+  s.expert_offsets = {{E + 1, 0}, 1, at::kInt};
+  s.topk_weights = {{weights_dtype ? n : 0, 0}, 1, weights_dtype.value_or(at::kFloat)};
+  s.recv_src = rank.recv_src;
+  s.counts = rank.counts;
+  s.src_tokens = rank.src_tokens;
+  s.send_mask = rank.send_mask;
+  s.expert_rows_of = {{rank.recv_src.shape[0], cfg_.topk}, 2, at::kInt};
+  s.dispatch_round = rank.dispatch_round;
+  s.x_scales = {{n, cfg_.fp8_scales}, 2, at::kFloat};
+  return s;
 }
 
 OutputSpec Comm::combine_output() const { return {{kTokenDim, cfg_.hidden}, 2, cfg_.dtype}; }
@@ -68,33 +89,12 @@ at::Tensor Comm::empty_output(const OutputSpec& spec, int64_t ntok) const {
 
 Dispatched Comm::allocate_dispatched(int64_t ntok, at::ScalarType idx_dtype,
                                      c10::optional<at::ScalarType> weights_dtype) const {
-  const auto specs = dispatch_outputs(idx_dtype, weights_dtype);
+  const RankLayoutOf<OutputSpec> specs = dispatch_outputs(idx_dtype, weights_dtype);
   Dispatched d;
-  at::Tensor* fields[kDispatchOutputs] = {&d.x,        &d.topk_idx,   &d.topk_weights, &d.counts,
-                                          &d.recv_src, &d.src_tokens, &d.send_mask,    &d.dispatch_round};
-  for (int i = 0; i < kDispatchOutputs; ++i) *fields[i] = empty_output(specs[i], ntok);
-  if (cfg_.fp8()) d.x_scales = empty_output(dispatch_scales_output(false), ntok);
+  for_each_output<RankLayoutOf>(cfg_.fp8(), [&](const char*, auto tensor, auto spec) {
+    d.*tensor = empty_output(specs.*spec, ntok);
+  });
   return d;
-}
-
-OutputSpec Comm::dispatch_scales_output(bool expert_layout) const {
-  const int64_t rows = expert_layout ? cfg_.expert_rows() : int64_t(cfg_.world) * cfg_.cap;
-  return {{rows, cfg_.fp8_scales}, 2, at::kFloat};
-}
-
-std::array<OutputSpec, kExpertDispatchOutputs> Comm::dispatch_expert_outputs(
-    c10::optional<at::ScalarType> weights_dtype) const {
-  const int64_t rows = int64_t(cfg_.world) * cfg_.cap, E = cfg_.experts_per_rank(), n = cfg_.expert_rows();
-  return {{{{n, cfg_.hidden}, 2, cfg_.dispatched_dtype()},
-           {{E, 0}, 1, at::kInt},
-           {{E + 1, 0}, 1, at::kInt},
-           {{weights_dtype ? n : 0, 0}, 1, weights_dtype.value_or(at::kFloat)},
-           {{rows, 0}, 1, at::kInt},
-           {{cfg_.world, 0}, 1, at::kInt},
-           {{cfg_.world, 0}, 1, at::kInt},
-           {{kTokenDim, 0}, 1, at::kInt},
-           {{rows, cfg_.topk}, 2, at::kInt},
-           {{1, 0}, 1, at::kLong}}};
 }
 
 // Received row j of the rank layout goes to one expert row per distinct
@@ -108,14 +108,16 @@ ExpertDispatched Comm::dispatch_expert(const at::Tensor& x, const c10::optional<
                                        const at::Tensor& topk_idx, const c10::optional<at::Tensor>& topk_weights) {
   Dispatched d = dispatch_rows(x, x_scales, topk_idx, topk_weights, true, places_from_heap());
   const bool weights = topk_weights.has_value();
-  const int64_t E = cfg_.experts_per_rank(), n = cfg_.expert_rows(), R = d.topk_idx.size(0), K = cfg_.topk;
+  const ExpertLayoutOf<OutputSpec> specs = dispatch_expert_outputs(
+      weights ? c10::optional<at::ScalarType>(d.topk_weights.scalar_type()) : c10::nullopt);
   ExpertDispatched out;
-  out.x = empty({n, cfg_.hidden}, cfg_.dispatched_dtype());
-  if (cfg_.fp8()) out.x_scales = empty({n, d.x_scales.size(1)}, at::kFloat);
-  out.topk_weights = weights ? empty({n}, d.topk_weights.scalar_type()) : empty({0}, at::kFloat);
-  out.expert_counts = empty({E}, at::kInt);
-  out.expert_offsets = empty({E + 1}, at::kInt);
-  out.expert_rows_of = empty({R, K}, at::kInt);
+  // The layout's own outputs; the handle's are the rank layout's (below).
+  out.x = empty_output(specs.x, 0);
+  out.topk_weights = empty_output(specs.topk_weights, 0);
+  out.expert_counts = empty_output(specs.expert_counts, 0);
+  out.expert_offsets = empty_output(specs.expert_offsets, 0);
+  out.expert_rows_of = empty_output(specs.expert_rows_of, 0);
+  if (cfg_.fp8()) out.x_scales = empty_output(specs.x_scales, 0);
   const at::Tensor needed = empty({1}, at::kInt);
   place_expert_rows(d, out, needed);
   check_expert_rows_later(needed);

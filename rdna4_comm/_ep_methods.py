@@ -10,10 +10,20 @@ from typing import Optional
 import torch
 
 from .fp8 import FP8_DTYPE
-from .ops import op_callable
+from .ops import op_callable, output_getter
 from .results import DispatchHandle, Dispatched, ExpertDispatched
 
 LAYOUTS = ("rank", "expert")
+
+# The dispatch ops' outputs that dispatch reads, by name, in the order it
+# unpacks them (the ops' own order is the op table's); the FP8 ops' x_scales
+# last.
+_READ = {"dispatch": ("x", "topk_idx", "topk_weights", "counts", "recv_src", "src_tokens", "send_mask",
+                      "dispatch_round"),
+         "dispatch_expert": ("x", "expert_counts", "expert_offsets", "topk_weights", "recv_src", "counts", "src_tokens",
+                             "send_mask", "dispatch_round", "expert_rows_of")}
+_PICK = {**{op: output_getter(op, *names) for op, names in _READ.items()},
+         **{op + "_fp8": output_getter(op + "_fp8", *names, "x_scales") for op, names in _READ.items()}}
 
 
 class EpMethods:
@@ -55,22 +65,22 @@ class EpMethods:
         x_scales = None
         if not isinstance(x, torch.Tensor):
             x, x_scales = self._fp8_pair(x)
-        tokens = x.shape[:-1]
-        fp8 = self._fp8
         if layout == "expert":
-            if fp8:
-                *out, scales = op_callable("dispatch_expert_fp8")(x, x_scales, topk_idx, topk_weights, self._order, self.id)
-            else:
-                out, scales = op_callable("dispatch_expert")(x, topk_idx, topk_weights, self._order, self.id), None
-            rx, ecounts, eoffsets, rw, recv_src, counts, src_tokens, send_mask, rows_of, dispatch_round = out
+            op = "dispatch_expert"
+        elif layout == "rank":
+            op = "dispatch"
+        else:
+            raise ValueError(f"dispatch: layout must be one of {LAYOUTS}, got {layout!r}")
+        if self._fp8:
+            op += "_fp8"
+            *out, scales = _PICK[op](op_callable(op)(x, x_scales, topk_idx, topk_weights, self._order, self.id))
+        else:
+            out, scales = _PICK[op](op_callable(op)(x, topk_idx, topk_weights, self._order, self.id)), None
+        tokens = x.shape[:-1]
+        if layout == "expert":
+            rx, ecounts, eoffsets, rw, recv_src, counts, src_tokens, send_mask, dispatch_round, rows_of = out
             handle = DispatchHandle(recv_src, counts, src_tokens, send_mask, self.id, tokens, rows_of, dispatch_round)
             return ExpertDispatched(rx, ecounts, eoffsets, rw if topk_weights is not None else None, handle, scales)
-        if layout != "rank":
-            raise ValueError(f"dispatch: layout must be one of {LAYOUTS}, got {layout!r}")
-        if fp8:
-            *out, scales = op_callable("dispatch_fp8")(x, x_scales, topk_idx, topk_weights, self._order, self.id)
-        else:
-            out, scales = op_callable("dispatch")(x, topk_idx, topk_weights, self._order, self.id), None
         rx, ridx, rw, counts, recv_src, src_tokens, send_mask, dispatch_round = out
         handle = DispatchHandle(recv_src, counts, src_tokens, send_mask, self.id, tokens, None, dispatch_round)
         return Dispatched(rx, ridx, rw if topk_weights is not None else None, counts, handle, scales)

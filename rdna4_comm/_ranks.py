@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from . import _C
 from ._launch import Member, free_port
+from .transport_policy import TRANSPORT_RECORDS
 
 
 class CheckFailed(AssertionError):
@@ -26,7 +27,7 @@ def usable_gpus() -> int:
     GPU support and torch sees GPUs."""
     if not (_C.with_gpu and torch.cuda.is_available()):
         return 0
-    return min(torch.cuda.device_count(), _C.max_gpu_world)
+    return min(torch.cuda.device_count(), TRANSPORT_RECORDS["gpu"].max_world)
 
 
 class RankContext:
@@ -75,9 +76,12 @@ class RankContext:
     @property
     def captures_graphs(self) -> bool:
         """Whether this rank's ops can be captured in CUDA graphs: on GPUs,
-        except transport "dist" where ranks share a GPU (NCCL refuses that, so
-        its group is gloo, which synchronises the stream on the host)."""
-        return self.device.type == "cuda" and (self.transport != "dist" or torch.cuda.device_count() >= self.world)
+        except a transport over a process group where ranks share a GPU (NCCL
+        refuses that, so the group is gloo, which synchronises the stream on
+        the host)."""
+        record = TRANSPORT_RECORDS[self.transport]
+        return (self.device.type == "cuda" and record.graph_capture
+                and (not record.process_group or torch.cuda.device_count() >= self.world))
 
     def comm(self, **kwargs):
         """A communicator with these arguments (transport: this rank's unless
@@ -154,9 +158,11 @@ class RankContext:
 
 
 def runs_on_gpus(transport: str) -> bool:
-    """Whether a rank of ``transport`` takes a GPU: "gpu" always, "dist" where
-    this process sees a usable GPU (then every rank of one host does)."""
-    return transport == "gpu" or (transport == "dist" and usable_gpus() > 0)
+    """Whether a rank of ``transport`` takes a GPU: always where it runs the
+    GPU kernels, where it takes device tensors when this process sees a usable
+    GPU (then every rank of one host does)."""
+    record = TRANSPORT_RECORDS[transport]
+    return record.device_kernels or (record.device_tensors and usable_gpus() > 0)
 
 
 def bench_rank(member: Member, transport: str) -> RankContext:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ._ranks import CheckFailed, RankContext
+from .transport_policy import TRANSPORT_RECORDS
 
 # Eager calls before a CUDA graph is captured (NCCL and lazy inits happen here).
 GPU_WARMUP_CALLS = 3
@@ -165,7 +166,7 @@ def measure(ctx: RankContext, ops: Sequence[Op], *, rounds: int, samples: int) -
     Returns, per backend that was timed, :class:`Stats` over the rounds x
     samples values (the same on every rank).
     """
-    clock = _GpuClock() if ctx.transport == "gpu" else _CpuClock()
+    clock = _GpuClock() if TRANSPORT_RECORDS[ctx.transport].device_kernels else _CpuClock()
     try:
         runners = {}
         for op in ops:

@@ -11,7 +11,7 @@ from . import _C
 def allreduce_algorithm(nbytes: int, world_size: int, transport: str) -> str:
     """The all_reduce path for a tensor of ``nbytes``: "one_shot" or "two_shot"
     (the predicate the C++ ops use, see csrc/protocol.h)."""
-    return "one_shot" if _C.allreduce_use_one_shot(nbytes, world_size, transport == "gpu") else "two_shot"
+    return "one_shot" if _C.allreduce_use_one_shot(nbytes, world_size, transport) else "two_shot"
 
 
 def all_reduce_rmsnorm_algorithm(
@@ -25,7 +25,7 @@ def all_reduce_rmsnorm_algorithm(
     predicate the C++ op itself uses (csrc/protocol.h, rmsnorm_path)."""
     slot = _C.allreduce_slot_bytes(transport, allreduce_slot_bytes or 0)
     elt = torch.empty((), dtype=dtype).element_size()
-    return _C.rmsnorm_path(tokens, hidden, elt, world_size, transport == "gpu", slot)
+    return _C.rmsnorm_path(tokens, hidden, elt, world_size, transport, slot)
 
 
 def all_reduce_rmsnorm_row_in_registers(hidden: int, dtype: torch.dtype) -> bool:

@@ -3,6 +3,7 @@ which algorithm they take: rdna4_comm.algorithms)."""
 from __future__ import annotations
 
 import itertools
+import operator
 import os
 import warnings
 import weakref
@@ -16,7 +17,8 @@ from . import _C
 from ._rendezvous import Rendezvous
 from ._ep_methods import EpMethods
 from .fp8 import FP8_DTYPE
-from .transport_policy import RankReport, TransportChoice, choose_transport, host_identity, rank_report, shared_gpus_allowed
+from .transport_policy import (TRANSPORT_RECORDS, TRANSPORTS, RankReport, TransportChoice, choose_transport, host_identity,
+                               rank_report, shared_gpus_allowed)
 from .ops import op_callable, order_token
 
 EP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -25,14 +27,26 @@ EP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # process exits is noticed within kLivenessPeriodMs whatever this bound is.
 DEFAULT_TIMEOUT_MS = 300_000
 DIST_SETUP_MS = 30_000
-TRANSPORTS = ("auto", "gpu", "cpu", "dist")
 TRANSPORT_ENV = "RDNA4_COMM_TRANSPORT"
 
 _ids = itertools.count()
+
+
 def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"Communicator: {name} must be a positive int, got {value!r}")
     return value
+
+
+def _timeout_ms(timeout_ms: Optional[int]) -> int:
+    """The bound of every wait: the argument, else RDNA4_COMM_TIMEOUT_MS, else the default."""
+    if timeout_ms is None:
+        env = os.environ.get("RDNA4_COMM_TIMEOUT_MS", str(DEFAULT_TIMEOUT_MS))
+        try:
+            timeout_ms = int(env)
+        except ValueError:
+            raise ValueError(f"RDNA4_COMM_TIMEOUT_MS must be a positive integer (milliseconds), got {env!r}") from None
+    return _positive_int("timeout_ms", timeout_ms)
 
 
 class Communicator(EpMethods):
@@ -140,6 +154,9 @@ class Communicator(EpMethods):
         name: Optional[str] = None,
         dist_check_calls: bool = False,
     ):
+        # Every argument as given, before validation: the ranks must agree on
+        # some (the heap's shape, the collectives each op runs; _agree).
+        arguments = {name: value for name, value in locals().items() if name not in ("self", "group", "__class__")}
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "Communicator: torch.distributed is not initialised; call "
@@ -150,46 +167,17 @@ class Communicator(EpMethods):
         self.world_size = dist.get_world_size(self.group)
         if transport not in TRANSPORTS:
             raise ValueError(f"Communicator: transport must be one of {TRANSPORTS}, got {transport!r}")
-
-        ep = (max_tokens_per_rank, hidden, topk, num_experts)
-        if all(v is None for v in ep):
-            cap = hidden = topk = num_experts = 0
-        elif any(v is None for v in ep):
-            raise ValueError(
-                "Communicator: max_tokens_per_rank, hidden, topk and num_experts are needed "
-                f"together for dispatch/combine, got {dict(zip(('max_tokens_per_rank', 'hidden', 'topk', 'num_experts'), ep))}"
-            )
-        else:
-            cap = _positive_int("max_tokens_per_rank", max_tokens_per_rank)
-            hidden = _positive_int("hidden", hidden)
-            topk = _positive_int("topk", topk)
-            num_experts = _positive_int("num_experts", num_experts)
-            if topk > _C.max_topk:
-                raise ValueError(f"Communicator: topk must be in [1, {_C.max_topk}], got {topk}")
-            if num_experts % self.world_size:
-                raise ValueError(
-                    f"Communicator: num_experts ({num_experts}) must be a multiple of the world size "
-                    f"({self.world_size})"
-                )
-            if dtype not in EP_DTYPES:
-                raise TypeError(f"Communicator: dtype must be one of {EP_DTYPES}, got {dtype}")
-        if self.world_size > _C.max_world:
-            raise ValueError(f"Communicator: at most {_C.max_world} ranks are supported, got {self.world_size}")
+        cap, hidden, topk, num_experts = self._ep_fields(max_tokens_per_rank, hidden, topk, num_experts, dtype)
         expert_alignment = _positive_int("expert_alignment", expert_alignment)
         if max_expert_rows is not None:
             max_expert_rows = _positive_int("max_expert_rows", max_expert_rows)
         if dispatch_dtype not in (None, FP8_DTYPE):
             raise TypeError(f"Communicator: dispatch_dtype must be None or {FP8_DTYPE}, got {dispatch_dtype!r}")
         self._fp8 = dispatch_dtype is not None  # read on every dispatch: a plain attribute
-        if timeout_ms is None:
-            env = os.environ.get("RDNA4_COMM_TIMEOUT_MS", str(DEFAULT_TIMEOUT_MS))
-            try:
-                timeout_ms = int(env)
-            except ValueError:
-                raise ValueError(f"RDNA4_COMM_TIMEOUT_MS must be a positive integer (milliseconds), got {env!r}") from None
-        timeout_ms = _positive_int("timeout_ms", timeout_ms)
+        timeout_ms = _timeout_ms(timeout_ms)
         if not isinstance(dist_check_calls, bool):
             raise TypeError(f"Communicator: dist_check_calls must be a bool, got {dist_check_calls!r}")
+        slot_bytes = None if allreduce_slot_bytes is None else _positive_int("allreduce_slot_bytes", allreduce_slot_bytes)
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"Communicator: name must be a non-empty str, got {name!r}")
         comm_id = name if name is not None else f"rdna4_comm.{os.getpid()}.{next(_ids)}"
@@ -200,30 +188,7 @@ class Communicator(EpMethods):
 
         # Every exchange of the construction is bounded by timeout_ms (_rendezvous).
         rendezvous = Rendezvous(self.group, timeout_ms)
-        # The fields that shape the symmetric heap: a rank with another cap,
-        # hidden or dispatch_dtype would lay its rows out otherwise and write
-        # past its peers' buffers, so every rank checks that all agree.
-        # A communicator without EP fields has None there, as it was given.
-        heap_fields = dict(max_tokens_per_rank=cap or None, hidden=hidden or None, topk=topk or None,
-                           num_experts=num_experts or None, dtype=dtype if cap else None, dispatch_dtype=dispatch_dtype if cap else None,
-                           expert_alignment=expert_alignment, max_expert_rows=max_expert_rows,
-                           allreduce_slot_bytes=allreduce_slot_bytes)
-        hello = rendezvous.exchange("hello", dict(report=rank_report(), pid=os.getpid(),
-                                                  start=_C.process_start_time(os.getpid()), heap=heap_fields,
-                                                  id_taken=_C.comm_device(comm_id) is not None))
-        taken = [r for r, h in enumerate(hello) if h["id_taken"]]
-        if taken:
-            raise ValueError(f"Communicator: name {comm_id!r} is already the id of an open communicator on ranks "
-                             f"{taken}; close that one first or pass another name")
-        for name, mine in heap_fields.items():
-            every = [h["heap"][name] for h in hello]
-            if any(v != mine for v in every):
-                raise ValueError(f"Communicator: every rank must pass the same {name}; the ranks passed "
-                                 f"{dict(enumerate(every))}")
-        reports = [h["report"] for h in hello]
-        host = reports[self.rank].host
-        rendezvous.processes = [(h["pid"], h["start"]) if h["report"].host == host and h["start"] else None
-                                for h in hello]
+        reports = self._agree(rendezvous, comm_id, arguments)
         env_transport = os.environ.get(TRANSPORT_ENV)
         if transport == "auto" and env_transport:
             if env_transport not in TRANSPORTS:
@@ -233,19 +198,18 @@ class Communicator(EpMethods):
             forced_by = "the transport argument"
         choice = choose_transport(transport, reports, with_gpu=_C.with_gpu, allow_shared_gpu=shared_gpus_allowed(),
                                   forced_by=forced_by)
-        if choice.transport == "gpu" and cap > _C.max_gpu_tokens_per_rank:
-            raise ValueError(
-                f"Communicator: max_tokens_per_rank must be at most {_C.max_gpu_tokens_per_rank} on the GPU "
-                f"transport, got {cap}"
-            )
-        slot_bytes = None if allreduce_slot_bytes is None else _positive_int("allreduce_slot_bytes", allreduce_slot_bytes)
+        most = TRANSPORT_RECORDS[choice.transport].max_tokens_per_rank
+        if cap > most:
+            raise ValueError(f"Communicator: max_tokens_per_rank must be at most {most} on the {choice.transport} "
+                             f"transport, got {cap}")
 
+        # The fields of _C.CommConfig that every transport's start shares.
         settings = dict(rank=self.rank, world=self.world_size, cap=cap, hidden=hidden, topk=topk,
                         num_experts=num_experts, dtype=dtype, timeout_ms=timeout_ms,
                         expert_alignment=expert_alignment, max_expert_rows=max_expert_rows or 0,
                         dispatch_dtype=dispatch_dtype, dist_check_calls=dist_check_calls)
-        # "dist" runs on the GPUs when every rank has one, else on the CPU.
-        on_gpu = all(rep.gpu is not None for rep in reports) and choice.transport != "cpu"
+        # A transport that takes device tensors runs on the GPUs when every rank has one.
+        on_gpu = all(rep.gpu is not None for rep in reports) and TRANSPORT_RECORDS[choice.transport].device_tensors
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         self.id = comm_id
         self._order = order_token(self.device)
@@ -272,6 +236,57 @@ class Communicator(EpMethods):
                           f"collectives, slower than peer-to-peer memory): {choice.reason}", stacklevel=2)
         _C.watch_peers(self.id, [(r, *p) for r, p in enumerate(rendezvous.processes) if p is not None])
 
+    def _ep_fields(self, max_tokens_per_rank, hidden, topk, num_experts, dtype) -> tuple:
+        """(cap, hidden, topk, num_experts), validated: all four given, or
+        none (all_reduce alone: zeros)."""
+        ep = (max_tokens_per_rank, hidden, topk, num_experts)
+        if all(v is None for v in ep):
+            return 0, 0, 0, 0
+        if any(v is None for v in ep):
+            raise ValueError(
+                "Communicator: max_tokens_per_rank, hidden, topk and num_experts are needed "
+                f"together for dispatch/combine, got {dict(zip(('max_tokens_per_rank', 'hidden', 'topk', 'num_experts'), ep))}"
+            )
+        cap = _positive_int("max_tokens_per_rank", max_tokens_per_rank)
+        hidden = _positive_int("hidden", hidden)
+        topk = _positive_int("topk", topk)
+        num_experts = _positive_int("num_experts", num_experts)
+        if topk > _C.max_topk:
+            raise ValueError(f"Communicator: topk must be in [1, {_C.max_topk}], got {topk}")
+        if num_experts % self.world_size:
+            raise ValueError(
+                f"Communicator: num_experts ({num_experts}) must be a multiple of the world size ({self.world_size})"
+            )
+        if dtype not in EP_DTYPES:
+            raise TypeError(f"Communicator: dtype must be one of {EP_DTYPES}, got {dtype}")
+        if self.world_size > _C.max_world:
+            raise ValueError(f"Communicator: at most {_C.max_world} ranks are supported, got {self.world_size}")
+        return cap, hidden, topk, num_experts
+
+    def _agree(self, rendezvous: Rendezvous, comm_id: str, arguments: dict) -> list:
+        """The first exchange: every rank's report (its host and GPU), process
+        and arguments. Raises on every rank unless they passed the same
+        arguments where they must (the agreed fields of _C.CommConfig) and
+        the id is free everywhere. Returns the reports."""
+        agreed = {f["argument"]: arguments[f["argument"]] for f in _C.CommConfig.fields if f["agreed"]}
+        hello = rendezvous.exchange("hello", dict(report=rank_report(), pid=os.getpid(),
+                                                  start=_C.process_start_time(os.getpid()), agreed=agreed,
+                                                  id_taken=_C.comm_device(comm_id) is not None))
+        taken = [r for r, h in enumerate(hello) if h["id_taken"]]
+        if taken:
+            raise ValueError(f"Communicator: name {comm_id!r} is already the id of an open communicator on ranks "
+                             f"{taken}; close that one first or pass another name")
+        for argument, mine in agreed.items():
+            every = [h["agreed"][argument] for h in hello]
+            if any(v != mine for v in every):
+                raise ValueError(f"Communicator: every rank must pass the same {argument}; the ranks passed "
+                                 f"{dict(enumerate(every))}")
+        reports = [h["report"] for h in hello]
+        host = reports[self.rank].host
+        rendezvous.processes = [(h["pid"], h["start"]) if h["report"].host == host and h["start"] else None
+                                for h in hello]
+        return reports
+
     def _start(self, transport: str, slot_bytes: Optional[int], reports: Sequence[RankReport],
                rendezvous: Rendezvous, settings: dict) -> list:
         """Create this rank's transport from ``settings`` (the validated fields
@@ -279,7 +294,7 @@ class Communicator(EpMethods):
         Returns the links that failed the GPU probe, in the same words on every
         rank; with any, the transport is released again."""
         dist_group = None
-        if transport == "dist":
+        if TRANSPORT_RECORDS[transport].process_group:
             # A group of its own: a collective that timed out leaves its group
             # out of step, and this one goes with the communicator, while
             # `group` and other communicators stay usable. Its backend follows
@@ -312,18 +327,9 @@ class Communicator(EpMethods):
         return bad
 
     # The configuration has one holder, the CommConfig the C++ communicator
-    # was created from (self._config, read-only): these read it.
-    max_tokens_per_rank = property(lambda self: self._config.cap, doc="``cap``; 0 without dispatch/combine.")
-    hidden = property(lambda self: self._config.hidden, doc="``H``; 0 without dispatch/combine.")
-    topk = property(lambda self: self._config.topk, doc="``K``; 0 without dispatch/combine.")
-    num_experts = property(lambda self: self._config.num_experts, doc="``E``; 0 without dispatch/combine.")
-    dtype = property(lambda self: self._config.dtype, doc="Payload dtype of dispatch/combine.")
-    timeout_ms = property(lambda self: self._config.timeout_ms, doc="Bound of every wait, in milliseconds.")
-    expert_alignment = property(lambda self: self._config.expert_alignment,
-                                doc="Row alignment of each expert's block in the expert layout.")
+    # was created from (self._config, read-only): the properties of its
+    # documented fields are made from _C.CommConfig.fields (below the class).
     expert_rows = property(lambda self: self._config.expert_rows, doc="Rows of the expert layout's ``x``.")
-    dispatch_dtype = property(lambda self: self._config.dispatch_dtype,
-                              doc="torch.float8_e4m3fn for FP8 dispatch, else None.")
 
     @property
     def num_local_experts(self) -> int:
@@ -434,6 +440,12 @@ class Communicator(EpMethods):
     def _check_open(self) -> None:
         if not self._open:
             raise RuntimeError(f"Communicator {self.id!r} is closed")
+
+
+for _field in _C.CommConfig.fields:
+    if _field["doc"]:
+        setattr(Communicator, _field["argument"],
+                property(operator.attrgetter(f"_config.{_field['name']}"), doc=_field["doc"]))
 
 
 def _release(comm_id: str, dist_group: Optional[dist.ProcessGroup]) -> None:

@@ -41,6 +41,7 @@ from ._timing import Op, format_table, measure
 from ._bench.world import describe, launch, resolve_world
 from ._ranks import CheckFailed
 from ._launch import WorldFailed
+from .transport_policy import TRANSPORT_RECORDS
 from .algorithms import allreduce_algorithm
 from .communicator import Communicator
 from .fp8 import num_scales
@@ -228,7 +229,7 @@ def latency_table(ctx, records: list[dict], rounds: int, samples: int) -> str:
         (baseline,) = [b for b in rec["stats"] if b != "rdna4_comm"]
         rows.append([rec["op"], rec["tokens"], rec["stats"]["rdna4_comm"].p50_us, baseline,
                      rec["stats"][baseline].p50_us, speedup(rec["stats"], baseline)])
-    call = "one CUDA-graph replay" if ctx.transport == "gpu" else "one eager call"
+    call = "one CUDA-graph replay" if TRANSPORT_RECORDS[ctx.transport].device_kernels else "one eager call"
     lead = (f"latency: p50 of {rounds} rounds x {samples} samples, a sample being {call} on every rank, "
             "timed on the slowest rank; speedup = baseline us / rdna4_comm us (> 1: rdna4_comm is faster):")
     table = format_table(["op", "tokens", "rdna4_comm us", "baseline", "baseline us", "speedup"], rows)
@@ -302,7 +303,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"demo: {e}", file=sys.stderr)
         return 2
-    where = "one process per GPU" if transport == "gpu" else "CPU processes, shared memory"
+    where = "one process per GPU" if TRANSPORT_RECORDS[transport].device_kernels else "CPU processes, shared memory"
     print(f"running: world of {world} ({where}), transport {transport}", flush=True)
     try:
         launch(_demo, (args.rounds, args.samples), transport=transport, world=world, on_message=_print)

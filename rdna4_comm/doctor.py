@@ -28,7 +28,7 @@ from ._launch import Member, ProcessWorld, WorldFailed
 from ._ranks import CheckFailed, RankContext, usable_gpus
 from ._timing import Op, format_table, measure
 from .communicator import Communicator
-from .transport_policy import shared_gpus_allowed
+from .transport_policy import TRANSPORT_RECORDS, shared_gpus_allowed
 
 EXIT_LIBRARY_RUNS, EXIT_LIBRARY_CANNOT_RUN, EXIT_DOCTOR_FAILED = 0, 1, 2
 # The rule of the exit status (why_library_cannot_run computes it), for --help.
@@ -210,7 +210,7 @@ def why_library_cannot_run(report: dict) -> Optional[str]:
     if verdict.get("error"):
         return f"the all_reduce through transport '{verdict['transport']}' failed (the error above)"
     failed = [p for p in report["pairs"] if not p["ok"]]
-    if verdict["transport"] == "gpu" and failed:
+    if TRANSPORT_RECORDS[verdict["transport"]].writes_cross_links and failed:
         return ("transport 'gpu' would run over GPU pairs that failed their checks: "
                 + ", ".join(f"rank {p['ranks'][0]} <-> rank {p['ranks'][1]}" for p in failed))
     return None

@@ -1,10 +1,13 @@
-"""torch.ops.rdna4_comm.*: fake (meta) implementations, which ask the C++
-communicator (rdna4_comm._C.dispatch_outputs, dispatch_scales_output, combine_output) for their shapes, and the ordering
-token every op takes.
+"""torch.ops.rdna4_comm.*: the ops' fake (meta) implementations, the access
+to their outputs by name, and the ordering token every op takes.
 
-The schemas and the real CPU/CUDA implementations are registered by the C++
-extension (csrc/ops.cpp). Output shapes never depend on data: dispatch returns
-fixed-capacity buffers, so the ops trace under torch.compile(fullgraph=True).
+Every op is declared once, in the C++ extension (csrc/ops.cpp, the op
+table): its arguments, its outputs by name, their shape rule and its
+kernel. The schemas, the kernels and the eager entry points are made from
+it there; the fakes and :func:`output_getter` here, from ``_C.op_table()``
+and ``_C.output_specs``. Output shapes never depend on data: dispatch
+returns fixed-capacity buffers, so the ops trace under
+torch.compile(fullgraph=True).
 
 Every op is a collective, so a compiler must neither drop one whose result is
 unused (a rank with no tokens still has to take part) nor reorder two of them
@@ -16,12 +19,14 @@ order. The ops never read or change the token's value.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from . import _C  # also loads the schemas into torch.ops.rdna4_comm
 
+# Each op's declaration: name, method, args [(name, kind)], outputs, token source.
+OP_TABLE = {op["name"]: op for op in _C.op_table()}
 
 _ORDER_TOKENS: dict[torch.device, torch.Tensor] = {}
 
@@ -32,9 +37,7 @@ _ORDER_TOKENS: dict[torch.device, torch.Tensor] = {}
 # dispatcher, and hand anything else to the op itself (csrc/ops.cpp, at
 # namespace eager).
 _OPS = torch.ops.rdna4_comm
-_EAGER = {name: getattr(_C.eager, name)
-          for name in ("all_reduce", "all_reduce_rmsnorm", "dispatch", "combine", "dispatch_expert", "combine_expert",
-                       "dispatch_fp8", "dispatch_expert_fp8")}
+_EAGER = {name: getattr(_C.eager, name) for name in OP_TABLE}
 
 
 def op_callable(name: str, compiling: Optional[bool] = None):
@@ -75,7 +78,24 @@ def mark_dynamic_tokens(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return x
 
 
-def _check_devices(comm_id: str, op: str, **tensors) -> None:
+def output_getter(op: str, *names: str) -> Callable[[tuple], list]:
+    """A function that takes op ``op``'s outputs (a tuple) to those named
+    ``names``, in that order: the methods unpack the ops' results by name.
+    A plain function, which torch.compile traces (an operator.itemgetter it
+    does not)."""
+    outputs = OP_TABLE[op]["outputs"]
+    missing = [n for n in names if n not in outputs]
+    if missing:
+        raise ValueError(f"{op} has no output {missing}; it has {outputs}")
+    positions = tuple(outputs.index(n) for n in names)
+
+    def get(out: tuple) -> list:
+        return [out[i] for i in positions]
+
+    return get
+
+
+def _check_devices(comm_id: str, op: str, tensors: dict) -> None:
     """Raise unless the communicator is open here and every tensor is on its device."""
     device = _C.comm_device(comm_id)
     if device is None:
@@ -90,67 +110,29 @@ def _check_devices(comm_id: str, op: str, **tensors) -> None:
             raise ValueError(f"{op}: {arg} must be on {device} (the communicator's device), got {t.device}")
 
 
-@torch.library.register_fake("rdna4_comm::all_reduce")
-def _all_reduce_fake(x: torch.Tensor, order: torch.Tensor, comm: str) -> torch.Tensor:
-    _check_devices(comm, "all_reduce", x=x, order=order)
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+def _fake(decl: dict):
+    """The fake of the op ``decl`` declares: its outputs as _C.output_specs
+    gives them, each an empty tensor of its spec (shape, with _C.token_dim
+    where the call's token count goes, and dtype) or like an argument."""
+    names = [name for name, _ in decl["args"]]
+    every = [*names, "order", "comm"]
+
+    def fake(*args, **kwargs):
+        *own, order, comm = (*args, *(kwargs[name] for name in every[len(args):]))
+        tensors = {name: a for name, a in zip(names, own) if isinstance(a, torch.Tensor)}
+        _check_devices(comm, decl["method"], {**tensors, "order": order})
+        specs = _C.output_specs(decl["name"], comm, [a.dtype if isinstance(a, torch.Tensor) else None for a in own])
+        source = own[decl["tokens_arg"]]
+        tokens = math.prod(source.shape[:-1]) if decl["tokens_leading"] else source.shape[0]
+        outputs = tuple(
+            torch.empty_like(own[spec], memory_format=torch.contiguous_format) if isinstance(spec, int)
+            else source.new_empty(tuple(tokens if n == _C.token_dim else n for n in spec[0]), dtype=spec[1])
+            for spec in specs
+        )
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    return fake
 
 
-def _new_output(like: torch.Tensor, spec, tokens):
-    """An empty tensor of an output spec of the C++ communicator (shape with
-    _C.token_dim where the token count goes, dtype) on like's device."""
-    shape, dtype = spec
-    return like.new_empty(tuple(tokens if n == _C.token_dim else n for n in shape), dtype=dtype)
-
-
-@torch.library.register_fake("rdna4_comm::dispatch")
-def _dispatch_fake(x, topk_idx, topk_weights, order, comm):
-    _check_devices(comm, "dispatch", x=x, topk_idx=topk_idx, topk_weights=topk_weights, order=order)
-    tokens = math.prod(x.shape[:-1])  # leading dimensions of x are tokens
-    specs = _C.dispatch_outputs(comm, topk_idx.dtype, topk_weights.dtype if topk_weights is not None else None)
-    return tuple(_new_output(x, spec, tokens) for spec in specs)
-
-
-@torch.library.register_fake("rdna4_comm::dispatch_expert")
-def _dispatch_expert_fake(x, topk_idx, topk_weights, order, comm):
-    _check_devices(comm, "dispatch", x=x, topk_idx=topk_idx, topk_weights=topk_weights, order=order)
-    tokens = math.prod(x.shape[:-1])
-    specs = _C.dispatch_expert_outputs(comm, topk_weights.dtype if topk_weights is not None else None)
-    return tuple(_new_output(x, spec, tokens) for spec in specs)
-
-
-def _with_scales(outputs: tuple, x, x_scales, comm: str, expert_layout: bool) -> tuple:
-    """An FP8 dispatch's outputs: those of its layout's op, then x_scales."""
-    _check_devices(comm, "dispatch", x_scales=x_scales)
-    return (*outputs, _new_output(x, _C.dispatch_scales_output(comm, expert_layout), math.prod(x.shape[:-1])))
-
-
-@torch.library.register_fake("rdna4_comm::dispatch_fp8")
-def _dispatch_fp8_fake(x, x_scales, topk_idx, topk_weights, order, comm):
-    return _with_scales(_dispatch_fake(x, topk_idx, topk_weights, order, comm), x, x_scales, comm, False)
-
-
-@torch.library.register_fake("rdna4_comm::dispatch_expert_fp8")
-def _dispatch_expert_fp8_fake(x, x_scales, topk_idx, topk_weights, order, comm):
-    return _with_scales(_dispatch_expert_fake(x, topk_idx, topk_weights, order, comm), x, x_scales, comm, True)
-
-
-@torch.library.register_fake("rdna4_comm::combine_expert")
-def _combine_expert_fake(y, expert_rows_of, recv_src, counts, src_tokens, send_mask, dispatch_round, order, comm):
-    _check_devices(comm, "combine", y=y, expert_rows_of=expert_rows_of, recv_src=recv_src, counts=counts,
-                   src_tokens=src_tokens, send_mask=send_mask, dispatch_round=dispatch_round, order=order)
-    return _new_output(y, _C.combine_output(comm), send_mask.shape[0])
-
-
-@torch.library.register_fake("rdna4_comm::combine")
-def _combine_fake(y, recv_src, counts, src_tokens, send_mask, dispatch_round, order, comm):
-    _check_devices(comm, "combine", y=y, recv_src=recv_src, counts=counts, src_tokens=src_tokens,
-                   send_mask=send_mask, dispatch_round=dispatch_round, order=order)
-    return _new_output(y, _C.combine_output(comm), send_mask.shape[0])
-
-
-@torch.library.register_fake("rdna4_comm::all_reduce_rmsnorm")
-def _all_reduce_rmsnorm_fake(x, residual, weight, eps, order, comm):
-    _check_devices(comm, "all_reduce_rmsnorm", x=x, residual=residual, weight=weight, order=order)
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    return out, torch.empty_like(out)
+for _decl in OP_TABLE.values():
+    torch.library.register_fake(f"rdna4_comm::{_decl['name']}")(_fake(_decl))

@@ -13,6 +13,10 @@ import torch
 
 from . import _C
 
+# What each transport can do, as it registered itself (csrc/transport.h):
+# name -> _C.Transport. The choice below reads these records.
+TRANSPORT_RECORDS = _C.transports()
+TRANSPORTS = ("auto", *sorted(TRANSPORT_RECORDS))
 HOST_ID_ENV = "RDNA4_COMM_HOST_ID"
 SHARED_GPU_ENV = "RDNA4_COMM_ALLOW_SHARED_GPU"
 
@@ -91,8 +95,8 @@ def _gpu_transport_problem(reports: Sequence[RankReport], *, with_gpu: bool, all
     lacking = [r for r, rep in enumerate(reports) if rep.gpu is None]
     if lacking:
         return f"ranks {lacking} have no GPU"
-    if len(reports) > _C.max_gpu_world:
-        return f"it supports at most {_C.max_gpu_world} ranks, got {len(reports)}"
+    if len(reports) > TRANSPORT_RECORDS["gpu"].max_world:
+        return f"it supports at most {TRANSPORT_RECORDS['gpu'].max_world} ranks, got {len(reports)}"
     gpus = [rep.gpu for rep in reports]
     if len(set(gpus)) < len(gpus) and not allow_shared_gpu:
         shared = sorted({(gpus.index(g), r) for r, g in enumerate(gpus) if gpus.index(g) != r})

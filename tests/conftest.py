@@ -14,7 +14,7 @@ def gpu_world_sizes() -> list[int]:
     ranks (RDNA4_COMM_TEST_SHARED_WORLDS overrides: "2,3")."""
     if not (rc._C.with_gpu and torch.cuda.is_available()):
         return []
-    n = min(torch.cuda.device_count(), rc._C.max_gpu_world)
+    n = min(torch.cuda.device_count(), rc._C.transports()['gpu'].max_world)
     if rc.transport_policy.shared_gpus_allowed():
         return [int(w) for w in os.environ.get("RDNA4_COMM_TEST_SHARED_WORLDS", "2,4").split(",")]
     return sorted({2, n}) if n >= 2 else []

@@ -65,7 +65,7 @@ CASES = {
     "ctor.hidden_type": (lambda e: constructor(max_tokens_per_rank=4, hidden=8.0, topk=2, num_experts=2 * e.W),
                          "ValueError", "hidden must be a positive int, got 8.0"),
     "ctor.transport": (lambda e: constructor(transport="nvlink"), "ValueError",
-                       "transport must be one of ('auto', 'gpu', 'cpu', 'dist'), got 'nvlink'"),
+                       "transport must be one of ('auto', 'cpu', 'dist', 'gpu'), got 'nvlink'"),
     "ctor.timeout": (lambda e: constructor(timeout_ms=-5), "ValueError", "timeout_ms must be a positive int, got -5"),
     "ctor.slot_bytes": (lambda e: constructor(allreduce_slot_bytes=0), "ValueError",
                         "allreduce_slot_bytes must be a positive int, got 0"),
@@ -444,7 +444,7 @@ def test_every_bad_handle_case_is_documented():
 
 
 def t_gpu_token_cap(ctx):
-    cap = rc._C.max_gpu_tokens_per_rank + 1
+    cap = rc._C.transports()['gpu'].max_tokens_per_rank + 1
     return errors_of({"cap": constructor(max_tokens_per_rank=cap, hidden=8, topk=2, num_experts=2 * ctx.world)})
 
 
@@ -452,4 +452,4 @@ def t_gpu_token_cap(ctx):
 def test_gpu_token_cap(worlds):
     for errors in worlds("gpu", GPU_WORLDS[0][1]).run(t_gpu_token_cap):
         assert errors["cap"][0] == "ValueError"
-        assert f"max_tokens_per_rank must be at most {rc._C.max_gpu_tokens_per_rank}" in errors["cap"][1]
+        assert f"max_tokens_per_rank must be at most {rc._C.transports()['gpu'].max_tokens_per_rank}" in errors["cap"][1]

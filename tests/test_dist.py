@@ -145,8 +145,8 @@ AUTO_CASES = {
                             "RDNA4_COMM_ALLOW_SHARED_GPU=1"),
     "no peer access": (gpus((A, "g0"), (A, "g1"), (A, "g2"), blocked=[(2, 1)]), {}, "dist", True,
                        "rank 2's GPU has no peer access to rank 1's GPU"),
-    "more ranks than the GPU kernels take": (gpus(*[(A, f"g{i}") for i in range(rc._C.max_gpu_world + 1)]), {},
-                                             "dist", True, f"at most {rc._C.max_gpu_world} ranks"),
+    "more ranks than the GPU kernels take": (gpus(*[(A, f"g{i}") for i in range(rc._C.transports()['gpu'].max_world + 1)]), {},
+                                             "dist", True, f"at most {rc._C.transports()['gpu'].max_world} ranks"),
     "one rank": (gpus((A, "g0")), {}, "gpu", False, "a GPU per rank"),
 }
 

@@ -163,12 +163,24 @@ def t_disagreeing_construction(ctx, field, mine, others):
     return None
 
 
-@pytest.mark.parametrize("field,mine,others", [("dispatch_dtype", torch.float8_e4m3fn, None),
-                                               ("hidden", 8, 16), ("max_tokens_per_rank", 4, 5), ("ep", 0, None)])
+# One disagreement per argument the ranks must agree on, and EP fields on one rank only.
+DISAGREEMENTS = [("max_tokens_per_rank", 4, 5), ("hidden", 8, 16), ("topk", 2, 1), ("num_experts", 24, 48),
+                 ("dtype", torch.bfloat16, torch.float16), ("dispatch_dtype", torch.float8_e4m3fn, None),
+                 ("allreduce_slot_bytes", None, 1 << 20), ("expert_alignment", 1, 16), ("max_expert_rows", None, 64),
+                 ("dist_check_calls", False, True), ("ep", 0, None)]
+
+
+def test_every_argument_the_ranks_must_agree_on_is_tested():
+    agreed = {f["argument"] for f in rc._C.CommConfig.fields if f["agreed"]}
+    assert agreed == {field for field, _, _ in DISAGREEMENTS} - {"ep"}
+
+
+@pytest.mark.parametrize("field,mine,others", DISAGREEMENTS)
 def test_ranks_that_disagree_on_the_heap_all_raise(world_small, field, mine, others):
-    """A field that lays out the heap, different on one rank: every rank
-    raises naming it (none writes past a peer's buffers), and the world
-    constructs communicators afterwards."""
+    """An argument that lays out the heap or decides the collectives,
+    different on one rank: every rank raises naming it (none writes past a
+    peer's buffers or runs other collectives), and the world constructs
+    communicators afterwards."""
     if world_small.size == 1:
         pytest.skip("needs a peer")
     for r, message in enumerate(world_small.run(t_disagreeing_construction, field, mine, others)):

@@ -18,6 +18,7 @@
 #include <chrono>
 #include <initializer_list>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -549,6 +550,12 @@ class CpuComm final : public Comm {
 
 }  // namespace
 
+namespace {
 std::shared_ptr<Comm> make_cpu_comm(CommConfig cfg) { return std::make_shared<CpuComm>(std::move(cfg)); }
+RDNA4_COMM_REGISTER_TRANSPORT("cpu", /*built=*/true, /*device_kernels=*/false, /*writes_cross_links=*/false, /*process_group=*/false,
+                              /*device_tensors=*/false, /*graph_capture=*/false, kMaxWorld,
+                              std::numeric_limits<int64_t>::max(), /*default_slot_bytes=*/int64_t(1) << 20,
+                              make_cpu_comm);
+}  // namespace
 
 }  // namespace rdna4_comm

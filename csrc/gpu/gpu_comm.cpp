@@ -39,11 +39,13 @@ struct ExportRecord {
   char pci_bus_id[32];
 };
 
+// The kernels' dtype of a tensor the ops' checks let through.
 DType dtype_of(at::ScalarType t) {
   switch (t) {
     case at::kFloat: return DType::kF32;
     case at::kBFloat16: return DType::kBF16;
-    default: return DType::kF16;
+    case at::kHalf: return DType::kF16;
+    default: TORCH_CHECK(false, "rdna4_comm: the GPU kernels take no ", dtype_name(t), " values");
   }
 }
 
@@ -276,9 +278,10 @@ class GpuComm final : public Comm {
                      const c10::optional<at::Tensor>& topk_weights, Dispatched& out) override {
     DispatchArgs a{};
     a.x = x.data_ptr();
-    a.x_dtype = dtype_of(x.scalar_type());  // what an FP8 layout quantises; a pair's q is moved as bytes
-    a.x_scales = x_scales ? x_scales->data_ptr<float>() : nullptr;
     a.fp8_pair = x_scales.has_value();
+    // What an FP8 layout quantises; a pair's q is moved as bytes, of no dtype the kernels read.
+    a.x_dtype = a.fp8_pair ? DType::kF32 : dtype_of(x.scalar_type());
+    a.x_scales = x_scales ? x_scales->data_ptr<float>() : nullptr;
     a.out_scales = out.x_scales.defined() ? out.x_scales.data_ptr<float>() : nullptr;
     a.fp8_vectors =
         cfg_.fp8() && cfg_.hidden % kFp8Block == 0 && aligned16(x.data_ptr()) && aligned16(out.x.data_ptr());

@@ -18,6 +18,7 @@
 
 #include <array>
 #include <functional>
+#include <limits>
 #include <sstream>
 
 #include "../comm.h"
@@ -394,6 +395,14 @@ class DistComm final : public Comm {
 
 }  // namespace
 
+namespace {
 std::shared_ptr<Comm> make_dist_comm(CommConfig cfg) { return std::make_shared<DistComm>(std::move(cfg)); }
+// Captured on GPUs with NCCL/RCCL; over gloo (ranks sharing a GPU) a
+// capture is refused (DistComm::run).
+RDNA4_COMM_REGISTER_TRANSPORT("dist", /*built=*/true, /*device_kernels=*/false, /*writes_cross_links=*/false, /*process_group=*/true,
+                              /*device_tensors=*/true, /*graph_capture=*/true, kMaxWorld,
+                              std::numeric_limits<int64_t>::max(), /*default_slot_bytes=*/int64_t(16) << 20,
+                              make_dist_comm);
+}  // namespace
 
 }  // namespace rdna4_comm

@@ -14,8 +14,8 @@ import torch
 
 from .. import _C
 from .._launch import ProcessWorld
-from .._ranks import RankContext, bench_rank, usable_gpus
-from ..transport_policy import choose_transport, device_report
+from .._ranks import RankContext, bench_rank, runs_on_gpus, usable_gpus
+from ..transport_policy import TRANSPORT_RECORDS, choose_transport, device_report
 
 
 def resolve_world(transport: str = "auto", world: Optional[int] = None) -> tuple[str, int]:
@@ -29,7 +29,7 @@ def resolve_world(transport: str = "auto", world: Optional[int] = None) -> tuple
     if transport == "auto":
         reports = [device_report(d) for d in range(gpus)] if gpus >= 2 else [device_report(None)] * 2
         transport = choose_transport("auto", reports, with_gpu=bool(_C.with_gpu), allow_shared_gpu=False).transport
-    if transport == "gpu" or (transport == "dist" and gpus > 0):  # "dist" takes the GPUs where there are any
+    if runs_on_gpus(transport):
         if gpus == 0:
             raise ValueError(
                 f"transport {transport!r} needs GPUs and a GPU build of rdna4_comm "
@@ -85,7 +85,7 @@ def describe(ctx: RankContext) -> dict:
         "baseline_backend": ctx.baseline,
         "rdna4_comm_gpu_support": bool(_C.with_gpu),
     }
-    if ctx.transport == "gpu":
+    if TRANSPORT_RECORDS[ctx.transport].device_kernels:
         info["device"] = torch.cuda.get_device_name(ctx.device)
         nccl = torch.cuda.nccl.version()  # a tuple; an int in old torch versions
         info["versions"]["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)

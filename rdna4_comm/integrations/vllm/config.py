@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
-TRANSPORTS = ("auto", "gpu", "cpu", "dist")
+from ...transport_policy import TRANSPORTS
 
 
 @dataclass(frozen=True)
