@@ -207,11 +207,7 @@ void launch_variant(const Env& env, const AllReduceRmsNormArgs& a, int blocks, S
 void launch_all_reduce_rmsnorm(const Env& env, const AllReduceRmsNormArgs& a, Stream s) {
   const int world = a.local ? 1 : env.world;
   const int blocks = rmsnorm_blocks(rmsnorm_shards(a.rows, world, a.one_stage || a.local).q, env.sm_count);
-  switch (a.dtype) {
-    case DType::kF32: launch_variant<DType::kF32>(env, a, blocks, s); break;
-    case DType::kBF16: launch_variant<DType::kBF16>(env, a, blocks, s); break;
-    default: launch_variant<DType::kF16>(env, a, blocks, s); break;
-  }
+  with_dtype(a.dtype, [&](auto dtype) { launch_variant<decltype(dtype)::value>(env, a, blocks, s); });
 }
 
 }  // namespace gpu

@@ -22,8 +22,6 @@
 //     the block copies the rows, each loaded once and stored to each of its
 //     pair rows; then the alignment padding.
 // combine_expert's sums take a share of the received rows per block too.
-#include <type_traits>
-
 #include "device/rows.cuh"
 
 namespace rdna4_comm {
@@ -380,15 +378,7 @@ void launch_expert_layout(const ExpertLayoutArgs& a, Stream s) {
 void launch_expert_sum(const ExpertSumArgs& a, Stream s) {
   const int vec = row_vector(a.hidden * dtype_bytes(a.dtype), {a.y, a.out});
   auto run = [&](auto kernel) { RC_LAUNCH(kernel, expert_row_blocks(a.rows, a.sm_count), kThreads, 0, s, a, vec); };
-  auto go = [&](auto dtype) {
-    constexpr DType D = decltype(dtype)::value;
-    run(expert_sum_kernel<D>);
-  };
-  switch (a.dtype) {
-    case DType::kF32: go(std::integral_constant<DType, DType::kF32>{}); break;
-    case DType::kBF16: go(std::integral_constant<DType, DType::kBF16>{}); break;
-    default: go(std::integral_constant<DType, DType::kF16>{}); break;
-  }
+  with_dtype(a.dtype, [&](auto dtype) { run(expert_sum_kernel<decltype(dtype)::value>); });
 }
 
 }  // namespace gpu
