@@ -151,8 +151,7 @@ struct DispatchSender {
 
   // Where the rank's tokens fit one block: thread t routes token t; the
   // positions of the chunk's first token and of the one after it bound the
-  // chunk, and shared.run ends as every destination's total. The arrays are
-  // read after the barrier of the lower ranks' headers (find_own_base).
+  // chunk, and shared.run ends as every destination's total.
   RC_DEVICE void route_every_token() {
     const uint32_t m = tid < ntok ? route.mask(tid) : 0u;
     if (tid >= tokens.t0 && tid < tokens.t1) args.out_send_mask[tid] = int32_t(m);
@@ -341,7 +340,8 @@ struct DispatchSender {
   // each token's row is loaded once and stored to every destination it has
   // among them (but this rank where own_rows_stay), then its routing.
   // The batch arrays are complete here: one batch's were written before a
-  // barrier (the lower ranks' headers); the others are routed again here.
+  // barrier (find_own_base's, over the lower ranks' headers); the others are
+  // routed again here.
   // A batch whose routing fits one warp's lanes (dispatch_routing_warp) has
   // it written by the block's last warp, which takes no share of the copy
   // (with warps of kMinWarpSize lanes; a wider one copies its first lanes'
