@@ -62,16 +62,9 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Env env, AllReduce
             [&](uint32_t, int p) { return L.ar_gather_slot(env.data[p], gen, me) + e0 * elt; });
       });
     }
-    ok = exchange_phase(env, round, 1, b, ok);
-    if (ok) {
-      for (int o = 0; o < W; ++o) {
-        if (o == me) continue;
-        int64_t f0, f1;
-        piece(o, &f0, &f1);
-        block_copy(out + (share.begin(o) + f0) * elt, L.ar_gather_slot(env.data[me], gen, o) + f0 * elt,
-                   (f1 - f0) * elt, vector_bytes(f1 - f0));
-      }
-    }
+    gather_phase(env, round, b, ok, piece, [&](int o, int64_t f0, int64_t f1, const char* slot) {
+      block_copy(out + (share.begin(o) + f0) * elt, slot + f0 * elt, (f1 - f0) * elt, vector_bytes(f1 - f0));
+    });
   }
   finish_op(env, kAllReduceSequence, gen);
 }

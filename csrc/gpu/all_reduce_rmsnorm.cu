@@ -173,18 +173,11 @@ __global__ void __launch_bounds__(kThreads) all_reduce_rmsnorm_kernel(Env env, A
         });
       }
     }
-    ok = exchange_phase(env, round, 1, b, ok);
-    if (ok) {
-      for (int o = 0; o < W; ++o) {
-        if (o == me) continue;
-        int64_t f0, f1;
-        piece(o, &f0, &f1);
-        const char* slot = L.ar_gather_slot(env.data[me], gen, o);
-        const int64_t bytes = (f1 - f0) * row_bytes, dst = (shard.begin(o) + f0) * row_bytes;
-        block_copy(out + dst, slot + out_at + f0 * row_bytes, bytes, vec);
-        block_copy(rout + dst, slot + rout_at + f0 * row_bytes, bytes, vec);
-      }
-    }
+    gather_phase(env, round, b, ok, piece, [&](int o, int64_t f0, int64_t f1, const char* slot) {
+      const int64_t bytes = (f1 - f0) * row_bytes, dst = (shard.begin(o) + f0) * row_bytes;
+      block_copy(out + dst, slot + out_at + f0 * row_bytes, bytes, vec);
+      block_copy(rout + dst, slot + rout_at + f0 * row_bytes, bytes, vec);
+    });
   }
   if (exchange) finish_op(env, kAllReduceSequence, gen);
 }
@@ -207,11 +200,7 @@ void launch_variant(const Env& env, const AllReduceRmsNormArgs& a, int blocks, S
 void launch_all_reduce_rmsnorm(const Env& env, const AllReduceRmsNormArgs& a, Stream s) {
   const int world = a.local ? 1 : env.world;
   const int blocks = rmsnorm_blocks(rmsnorm_shards(a.rows, world, a.one_stage || a.local).q, env.sm_count);
-  switch (a.dtype) {
-    case DType::kF32: launch_variant<DType::kF32>(env, a, blocks, s); break;
-    case DType::kBF16: launch_variant<DType::kBF16>(env, a, blocks, s); break;
-    default: launch_variant<DType::kF16>(env, a, blocks, s); break;
-  }
+  with_dtype(a.dtype, [&](auto dtype) { launch_variant<decltype(dtype)::value>(env, a, blocks, s); });
 }
 
 }  // namespace gpu

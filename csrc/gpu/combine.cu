@@ -1,8 +1,6 @@
 // combine: sender blocks return every received row to its source's inbox;
 // receiver blocks sum this rank's tokens over their destination ranks, own
 // contributions straight from y.
-#include <type_traits>
-
 #include "device/rows.cuh"
 #include "device/routing.cuh"
 #include "device/sync.cuh"
@@ -341,18 +339,13 @@ void launch_combine(const Env& env, const CombineArgs& a, Stream s) {
   const EpLaunch lp{ep_own_block_tokens(a.ntok, env.world, env.sm_count), 0, g.send_blocks,
                     row_vector(payload, {a.y, a.out}), int32_t(C), group_size(C)};
   const int blocks = g.send_blocks + g.recv_blocks;
-  auto go = [&](auto dtype) {
+  with_dtype(a.dtype, [&](auto dtype) {
     constexpr DType D = decltype(dtype)::value;
     // The sum loop's vectors of a row, as the receivers count them.
     if (combine_sums_short(lp.own_block_tokens, row_vectors<D>(payload, lp.vec)))
       launch("combine", combine_kernel<D, kShortUnroll>, blocks, s, env, a, lp);
     else launch("combine", combine_kernel<D, kRowUnroll>, blocks, s, env, a, lp);
-  };
-  switch (a.dtype) {
-    case DType::kF32: go(std::integral_constant<DType, DType::kF32>{}); break;
-    case DType::kBF16: go(std::integral_constant<DType, DType::kBF16>{}); break;
-    default: go(std::integral_constant<DType, DType::kF16>{}); break;
-  }
+  });
 }
 
 }  // namespace gpu

@@ -22,8 +22,6 @@
 //     the block copies the rows, each loaded once and stored to each of its
 //     pair rows; then the alignment padding.
 // combine_expert's sums take a share of the received rows per block too.
-#include <type_traits>
-
 #include "device/rows.cuh"
 
 namespace rdna4_comm {
@@ -191,14 +189,71 @@ RC_DEVICE void for_received_rows(int32_t received, uint32_t nvec, Prepare prepar
   }
 }
 
+// Where received row j's payload and scales are: in x, the rank-layout
+// rows, or, where dispatch left them (heap_gen), a peer's in the heap and
+// this rank's own in own_x. The sources' rows follow one another in rank
+// order. A failed dispatch leaves counts unwritten: its rows are then kept
+// within the heap.
+struct RowSource {
+  const char* row;
+  const float* scales;  // none for rows without scales
+};
+RC_DEVICE RowSource received_row_source(const ExpertLayoutArgs& a, uint64_t heap_gen, int32_t j) {
+  const int64_t S = a.scales_per_row, rb = a.row_bytes;
+  const char* src = a.x + int64_t(j) * rb;
+  const float* scales = a.scales ? a.scales + int64_t(j) * S : nullptr;
+  if (a.heap_gen) {
+    int s = 0;
+    int64_t first = 0;
+    while (s + 1 < a.world && j >= first + a.counts[s]) first += a.counts[s++];
+    if (s != a.rank) {
+      const int64_t i = j - first, cap = a.heap.cap;
+      char* heap_row = a.heap.dispatch_row(a.heap_data, heap_gen, s, i < 0 ? 0 : (i < cap ? i : cap - 1));
+      src = heap_row;
+      if (scales) scales = a.heap.row_scales(heap_row);
+    } else if (a.own_x && a.own_tokens > 0) {
+      // The token is kept within the input, as the heap row above.
+      const int64_t t = int64_t(a.recv_src[j]) - int64_t(a.rank) * a.heap.cap;
+      const int64_t tok = t < 0 ? 0 : (t < a.own_tokens ? t : a.own_tokens - 1);
+      src = a.own_x + tok * rb;
+      if (scales) scales = a.own_scales + tok * S;
+    }
+  }
+  return {src, scales};
+}
+
+// After the placement, the grid writes expert_rows_of of the rows not
+// received (-1), and the alignment padding rows that fit (zeros, their
+// scales and weights too), a warp per row: padding row i < alignment - 1
+// of expert e is warp (e * (alignment - 1) + i) of the grid
+// (expert_place_blocks), or a later one in its stride.
+template <typename V>
+RC_DEVICE void place_unreceived_and_padding(const ExpertLayoutArgs& a, int32_t received, int64_t nvec) {
+  const int K = int(a.topk);
+  const int64_t E = a.experts, n = a.expert_rows, S = a.scales_per_row, rb = a.row_bytes;
+  const int64_t gthread = int64_t(blockIdx.x) * kThreads + threadIdx.x, gthreads = int64_t(gridDim.x) * kThreads;
+  for (int64_t i = int64_t(received) * K + gthread; i < a.rows * K; i += gthreads) a.out_rows_of[i] = -1;
+  const int ws = warp_size(), lane = lane_id();
+  const int64_t pad = a.alignment - 1;
+  for (int64_t w = gthread / ws; w < E * pad; w += gthreads / ws) {
+    const int64_t e = w / pad;
+    const int64_t r = a.out_offsets[e] + int64_t(a.out_counts[e]) + (w - e * pad), next = a.out_offsets[e + 1];
+    if (r >= next || r >= n) continue;
+    V* o = reinterpret_cast<V*>(a.out_x + r * rb);
+    for (int64_t v = lane; v < nvec; v += ws) o[v] = V{};
+    if (a.out_scales)
+      for (int64_t k = lane; k < S; k += ws) a.out_scales[r * S + k] = 0.f;
+    if (a.out_weights && lane == 0) store_from_float(a.out_weights, r, a.weights_dtype, 0.f);
+  }
+}
+
 // Each received row's pairs get their rows (the expert's offset, plus its
 // rows in earlier chunks, plus the chunk's earlier rows that have it),
 // written to expert_rows_of in ascending expert order (then -1), and their
 // weights; then the row is loaded once, from x or where dispatch left it
-// (heap_gen: a peer's in the heap, this rank's in own_x), and stored to
-// each of its pair rows (its scales too). Then the grid writes
-// expert_rows_of of the rows not received, and the alignment padding rows
-// that fit (zeros, their scales and weights too), a warp per row.
+// (received_row_source), and stored to each of its pair rows (its scales
+// too). Then the rows not received and the alignment padding
+// (place_unreceived_and_padding).
 template <typename IdxT, typename V>
 __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs a) {
   // Row r of the batch: its pairs' rows, and which of them are kept (a
@@ -225,29 +280,9 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
   auto prepare = [&](int r, int32_t j) {
     const IdxT* row = ids + int64_t(j) * K;
     int32_t* rows_of = a.out_rows_of + int64_t(j) * K;
-    // The sources' rows follow one another in rank order. A failed dispatch
-    // leaves counts unwritten: its rows are then kept within the heap.
-    const char* src = a.x + int64_t(j) * rb;
-    const float* scales = a.scales ? a.scales + int64_t(j) * S : nullptr;
-    if (a.heap_gen) {
-      int s = 0;
-      int64_t first = 0;
-      while (s + 1 < a.world && j >= first + a.counts[s]) first += a.counts[s++];
-      if (s != a.rank) {
-        const int64_t i = j - first, cap = a.heap.cap;
-        char* heap_row = a.heap.dispatch_row(a.heap_data, heap_gen, s, i < 0 ? 0 : (i < cap ? i : cap - 1));
-        src = heap_row;
-        if (scales) scales = a.heap.row_scales(heap_row);
-      } else if (a.own_x && a.own_tokens > 0) {
-        // The token is kept within the input, as the heap row above.
-        const int64_t t = int64_t(a.recv_src[j]) - int64_t(a.rank) * a.heap.cap;
-        const int64_t tok = t < 0 ? 0 : (t < a.own_tokens ? t : a.own_tokens - 1);
-        src = a.own_x + tok * rb;
-        if (scales) scales = a.own_scales + tok * S;
-      }
-    }
-    src_row[r] = src;
-    src_scales[r] = scales;
+    const RowSource src = received_row_source(a, heap_gen, j);
+    src_row[r] = src.row;
+    src_scales[r] = src.scales;
     const uint64_t slots = pair_slots(row, K, E);
     const int64_t c = j / kChunkRows;
     const uint32_t below = (1u << (j % kChunkRows)) - 1u;
@@ -288,22 +323,7 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
       copy_scales<true>(src_scales[r], S, [&](int p) { return a.out_scales + int64_t(pair_row[r][p]) * S; }, kept[r],
                         s);
   });
-  const int64_t gthread = int64_t(blockIdx.x) * kThreads + threadIdx.x, gthreads = int64_t(gridDim.x) * kThreads;
-  for (int64_t i = int64_t(received) * K + gthread; i < a.rows * K; i += gthreads) a.out_rows_of[i] = -1;
-  // Padding row i < alignment - 1 of expert e: warp (e * (alignment - 1) + i)
-  // of the grid (expert_place_blocks), or a later one in its stride.
-  const int ws = warp_size(), lane = lane_id();
-  const int64_t pad = a.alignment - 1;
-  for (int64_t w = gthread / ws; w < E * pad; w += gthreads / ws) {
-    const int64_t e = w / pad;
-    const int64_t r = a.out_offsets[e] + int64_t(a.out_counts[e]) + (w - e * pad), next = a.out_offsets[e + 1];
-    if (r >= next || r >= n) continue;
-    V* o = reinterpret_cast<V*>(a.out_x + r * rb);
-    for (int64_t v = lane; v < nvec; v += ws) o[v] = V{};
-    if (a.out_scales)
-      for (int64_t k = lane; k < S; k += ws) a.out_scales[r * S + k] = 0.f;
-    if (a.out_weights && lane == 0) store_from_float(a.out_weights, r, a.weights_dtype, 0.f);
-  }
+  place_unreceived_and_padding<V>(a, received, nvec);
 }
 
 // Each received row of the rank layout: its pair rows of y (the valid
@@ -358,15 +378,7 @@ void launch_expert_layout(const ExpertLayoutArgs& a, Stream s) {
 void launch_expert_sum(const ExpertSumArgs& a, Stream s) {
   const int vec = row_vector(a.hidden * dtype_bytes(a.dtype), {a.y, a.out});
   auto run = [&](auto kernel) { RC_LAUNCH(kernel, expert_row_blocks(a.rows, a.sm_count), kThreads, 0, s, a, vec); };
-  auto go = [&](auto dtype) {
-    constexpr DType D = decltype(dtype)::value;
-    run(expert_sum_kernel<D>);
-  };
-  switch (a.dtype) {
-    case DType::kF32: go(std::integral_constant<DType, DType::kF32>{}); break;
-    case DType::kBF16: go(std::integral_constant<DType, DType::kBF16>{}); break;
-    default: go(std::integral_constant<DType, DType::kF16>{}); break;
-  }
+  with_dtype(a.dtype, [&](auto dtype) { run(expert_sum_kernel<decltype(dtype)::value>); });
 }
 
 }  // namespace gpu

@@ -37,6 +37,16 @@ namespace gpu {
 #endif
 using Stream = RC_RT(Stream_t);
 
+// Before a host-device function template that kernels and launchers both
+// call with functors of their own side (with_dtype): nvcc checks such a
+// template's calls of a host functor even where only host code instantiates
+// it, and warns; clang checks only the code it emits.
+#ifdef RC_HIP
+#define RC_NO_EXEC_SPACE_CHECK
+#else
+#define RC_NO_EXEC_SPACE_CHECK _Pragma("nv_exec_check_disable")
+#endif
+
 // --------------------------------------------------------------- device
 #ifdef RC_DEVICE  // compiled as device code (qualifiers.h)
 

@@ -19,6 +19,24 @@ static_assert(kGpuRoutingLanes == kMinWarpSize, "a routing warp's slots fit ever
 constexpr int kMaxWarps = kThreads / kMinWarpSize;
 static_assert(kThreads % 64 == 0, "a block is whole warps for every warp size");
 
+template <DType D>
+struct DTypeTag {
+  static constexpr DType value = D;
+};
+
+// Calls f(DTypeTag<D>{}) for the dtype D of `d` (F16 for any but F32 and
+// BF16), so one generic body serves every element type: in a kernel, or in
+// a launcher that launches one kernel per dtype.
+RC_NO_EXEC_SPACE_CHECK
+template <typename F>
+__host__ __device__ __forceinline__ void with_dtype(DType d, F&& f) {
+  switch (d) {
+    case DType::kF32: f(DTypeTag<DType::kF32>{}); break;
+    case DType::kBF16: f(DTypeTag<DType::kBF16>{}); break;
+    default: f(DTypeTag<DType::kF16>{}); break;
+  }
+}
+
 // Blocks of `threads` threads of `kernel` that one multiprocessor holds at
 // once, given the kernel's registers and shared memory.
 template <typename Kernel>

@@ -166,20 +166,5 @@ RC_DEVICE void sum_elements(char* out, const ConstRankPtrs& src, uint32_t mask, 
   sum_vectors<D, Raw>(out, src, mask, scalar_from, e1);
 }
 
-template <DType D>
-struct DTypeTag {
-  static constexpr DType value = D;
-};
-
-// Calls f(DTypeTag<d>{}) so one generic body serves every element type.
-template <typename F>
-RC_DEVICE void with_dtype(DType d, F&& f) {
-  switch (d) {
-    case DType::kF32: f(DTypeTag<DType::kF32>{}); break;
-    case DType::kBF16: f(DTypeTag<DType::kBF16>{}); break;
-    default: f(DTypeTag<DType::kF16>{}); break;
-  }
-}
-
 }  // namespace gpu
 }  // namespace rdna4_comm

@@ -204,5 +204,22 @@ RC_DEVICE bool exchange_phase(const Env& env, const Round& r, int phase, int b, 
   return ok && block_wait_ranks(env, r, peer_ranks(env), [&](int p) { return L.ar_flag(env.sig[me], gen, phase, p, b); });
 }
 
+// Phase 1 of a two-shot exchange, for block b: once the block has pushed
+// its finished piece into every peer's gather slot, exchange_phase flags
+// the peers and waits for theirs; then copy_out(o, f0, f1, slot) takes
+// peer o's piece [f0, f1) of its share (piece_of(o, &f0, &f1)) from slot,
+// o's gather slot in this rank's memory. Nothing is copied after a failed
+// wait (`ok` false: an earlier one failed).
+template <typename PieceOf, typename CopyOut>
+RC_DEVICE void gather_phase(const Env& env, const Round& r, int b, bool ok, PieceOf piece_of, CopyOut copy_out) {
+  if (!exchange_phase(env, r, 1, b, ok)) return;
+  for (int o = 0; o < env.world; ++o) {
+    if (o == env.rank) continue;
+    int64_t f0, f1;
+    piece_of(o, &f0, &f1);
+    copy_out(o, f0, f1, env.layout.ar_gather_slot(env.data[env.rank], r.gen, o));
+  }
+}
+
 }  // namespace gpu
 }  // namespace rdna4_comm
