@@ -4,9 +4,9 @@ the 128 registers a 512-thread block allows, and none spills: a spill in a
 row loop is a local-memory round trip per unrolled step.
 
 Also checks the GPU transport's host glue (csrc/gpu/gpu_comm.cpp, which
-includes torch's CUDA headers, and csrc/gpu/runtime.cpp) compiles against
-the installed torch and the CUDA runtime headers, so a CPU-only CI machine
-still type-checks it.
+includes torch's CUDA headers, and csrc/gpu/runtime.cpp) and the testing
+extension's (csrc/testing/module.cpp) compile against the installed torch
+and the CUDA runtime headers, so a CPU-only CI machine still type-checks them.
 
 Needs nvcc (skipped without it).
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = sorted((ROOT / "csrc" / "gpu").glob("*.cu"))
+SOURCES = sorted(ROOT.glob("csrc/*/*.cu"))  # the library's (gpu/) and the testing extension's (testing/)
 NVCC = shutil.which("nvcc")
 
 if NVCC is None:
@@ -77,5 +77,5 @@ def test_gpu_host_glue_compiles_against_torch_and_cuda_headers(tmp_path):
     # The files with code under RDNA4_COMM_WITH_GPU, two at a time (torch's headers take a while).
     with ThreadPoolExecutor(2) as pool:
         for cmd, res in pool.map(check, ("csrc/gpu/gpu_comm.cpp", "csrc/gpu/runtime.cpp", "csrc/torch_dist/dist_comm.cpp",
-                                          "csrc/ops.cpp", "csrc/ep_layouts.cpp")):
+                                          "csrc/ops.cpp", "csrc/ep_layouts.cpp", "csrc/testing/module.cpp")):
             assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stderr[-4000:]}"

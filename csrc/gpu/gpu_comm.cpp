@@ -441,50 +441,6 @@ void raise_not_resident(const char* op, int blocks, int per_sm, int sm_count) {
 }
 }  // namespace gpu
 
-void occupy_gpu(int device_index, double fraction, int64_t ms) {
-  c10::cuda::CUDAGuard guard(device_index);
-  int sms = 0;
-  uint64_t ticks_per_ms = 0;
-  RC_GPU_CHECK(gpu::multiprocessor_count(&sms, device_index));
-  RC_GPU_CHECK(gpu::timer_ticks_per_ms(&ticks_per_ms, device_index));
-  const int blocks = std::max(1, int(fraction * gpu::occupy_blocks_per_sm() * sms));
-  gpu::launch_occupy(blocks, uint64_t(ms) * ticks_per_ms, c10::cuda::getCurrentCUDAStream(device_index).stream());
-  RC_GPU_CHECK(gpu::get_last_error());
-}
-
-void store_out_of_bounds(int device_index) {
-  c10::cuda::CUDAGuard guard(device_index);
-  constexpr int64_t kInts = 64;
-  void* p = nullptr;
-  RC_GPU_CHECK(gpu::malloc_data(&p, kInts * sizeof(int32_t)));
-  gpu::launch_store_out_of_bounds(static_cast<int32_t*>(p), kInts, c10::cuda::getCurrentCUDAStream(device_index).stream());
-  RC_GPU_CHECK(gpu::get_last_error());
-  RC_GPU_CHECK(gpu::device_synchronize());
-  RC_GPU_CHECK(gpu::free_device(p));
-}
-
-std::pair<int64_t, int64_t> fp8_conversion_mismatches(int device_index) {
-  c10::cuda::CUDAGuard guard(device_index);
-  int sms = 0;
-  RC_GPU_CHECK(gpu::multiprocessor_count(&sms, device_index));
-  struct Result {
-    unsigned long long count;
-    uint32_t first;
-  } host{};
-  void* p = nullptr;
-  RC_GPU_CHECK(gpu::malloc_data(&p, sizeof(Result)));
-  auto* dev = static_cast<Result*>(p);
-  RC_GPU_CHECK(gpu::memset_device(&dev->count, 0, sizeof(dev->count)));
-  RC_GPU_CHECK(gpu::memset_device(&dev->first, 0xff, sizeof(dev->first)));
-  gpu::launch_fp8_conversion_check(&dev->count, &dev->first, 8 * sms,
-                                   c10::cuda::getCurrentCUDAStream(device_index).stream());
-  RC_GPU_CHECK(gpu::get_last_error());
-  RC_GPU_CHECK(gpu::device_synchronize());
-  RC_GPU_CHECK(gpu::memcpy_to_host(&host, dev, sizeof(Result)));
-  RC_GPU_CHECK(gpu::free_device(p));
-  return {int64_t(host.count), int64_t(host.first)};
-}
-
 bool current_stream_capturing(int device_index) {
   bool capturing = false;
   RC_GPU_CHECK(gpu::stream_is_capturing(c10::cuda::getCurrentCUDAStream(device_index).stream(), &capturing));
