@@ -8,14 +8,13 @@
 
 #include <chrono>
 #include <condition_variable>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <sstream>
 #include <thread>
 
 #include "../comm.h"
+#include "export_record.h"
 #include "kernels.h"
 #include "runtime.h"
 
@@ -30,14 +29,6 @@ using namespace gpu;
     TORCH_CHECK(rc_err_ == ::rdna4_comm::gpu::kSuccess, "rdna4_comm: ", #expr, " failed: ", \
                 ::rdna4_comm::gpu::error_string(rc_err_));                                   \
   } while (0)
-
-// What a rank publishes about its heap: both IPC handles and its GPU's PCI
-// bus id (a peer maps it to its own device ordinal).
-struct ExportRecord {
-  IpcHandle signals;
-  IpcHandle data;
-  char pci_bus_id[32];
-};
 
 DType dtype_of(at::ScalarType t) {
   switch (t) {
@@ -182,23 +173,12 @@ class GpuComm final : public Comm {
     }
   }
 
-  // Test hook: RDNA4_COMM_TEST_CORRUPT_PROBE="src:dst" makes rank src write a
-  // wrong probe pattern to rank dst through the real mapping, so that dst's
-  // real verification fails. Returns dst on rank src, else -1.
-  int corrupted_probe_peer() const {
-    const char* spec = std::getenv("RDNA4_COMM_TEST_CORRUPT_PROBE");
-    int src = -1, dst = -1;
-    if (spec == nullptr || std::sscanf(spec, "%d:%d", &src, &dst) != 2) return -1;
-    return src == cfg_.rank ? dst : -1;
-  }
-
   // Every peer writes a pattern through the real mapping and flag protocol;
   // this rank verifies what arrived. Returns "" or what failed, per pair.
   std::string finish() override {
     c10::cuda::CUDAGuard guard(cfg_.device_index);
     if (cfg_.world == 1) return "";
-    launch_probe(env_, probe_result_, corrupted_probe_peer(),
-                 c10::cuda::getCurrentCUDAStream(cfg_.device_index).stream());
+    launch_probe(env_, probe_result_, c10::cuda::getCurrentCUDAStream(cfg_.device_index).stream());
     RC_GPU_CHECK(get_last_error());
     RC_GPU_CHECK(device_synchronize());
     int32_t bad[kMaxGpuWorld] = {};

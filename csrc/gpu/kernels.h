@@ -173,7 +173,7 @@ void launch_expert_layout(const ExpertLayoutArgs& a, Stream s);
 void launch_expert_sum(const ExpertSumArgs& a, Stream s);
 // Writes, per source rank, the number of probe words that arrived wrong (or
 // -1 when its flag never came) into `result` (device memory, [W] int32).
-void launch_probe(const Env& env, int32_t* result, int corrupt_dst, Stream s);
+void launch_probe(const Env& env, int32_t* result, Stream s);
 
 }  // namespace gpu
 }  // namespace rdna4_comm

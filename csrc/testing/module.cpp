@@ -7,7 +7,9 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <cstring>
 
+#include "../gpu/export_record.h"
 #include "../gpu/runtime.h"
 #include "testing.h"
 
@@ -65,6 +67,20 @@ std::pair<int64_t, int64_t> fp8_conversion_mismatches(int device_index) {
   return {int64_t(host.count), int64_t(host.first)};
 }
 
+// The spares stay allocated until the process exits: a heap this process
+// allocates later could otherwise be a spare's memory, holding the pattern
+// a peer wrote there, and pass the probe it should fail.
+py::bytes with_spare_data(const std::string& record, int device_index, int64_t data_bytes) {
+  TORCH_CHECK_VALUE(record.size() == sizeof(ExportRecord), "with_spare_data: not a GPU heap record");
+  c10::cuda::CUDAGuard guard(device_index);
+  ExportRecord rec;
+  std::memcpy(&rec, record.data(), sizeof(rec));
+  void* spare = nullptr;
+  check(malloc_data(&spare, size_t(data_bytes)), "malloc_data");
+  check(ipc_get_handle(&rec.data, spare), "ipc_get_handle");
+  return py::bytes(reinterpret_cast<const char*>(&rec), sizeof(rec));
+}
+
 }  // namespace
 }  // namespace rdna4_comm
 
@@ -77,4 +93,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_conversion_mismatches", &fp8_conversion_mismatches, py::arg("device"),
         "(count, lowest) of the fp32 patterns whose FP8 byte from the kernels differs from fp8.h's "
         "(two NaNs match; lowest 0xffffffff when none)");
+  m.def("with_spare_data", &with_spare_data, py::arg("record"), py::arg("device"), py::arg("data_bytes"),
+        "A GPU heap record (what a rank of the GPU transport publishes) with its data handle replaced by that "
+        "of a spare allocation of `data_bytes` on `device`: the peers then write their data there, their "
+        "flags still into the rank's signal memory");
 }
