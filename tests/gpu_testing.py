@@ -21,6 +21,7 @@ BUILD_DIR = ROOT / "build" / "testing"
 
 @functools.cache
 def load():
+    """The extension's module, built first where build/testing/ lacks it or a source changed."""
     from torch.utils.cpp_extension import load as build_and_load
 
     if torch.version.hip:

@@ -306,6 +306,7 @@ def t_losing_peer_writes(ctx, task, *args):
         record = create(config)
         if config.transport != "gpu":
             return record
+        # The heap's data size (heap_bytes knows no FP8 dispatch; these communicators have none).
         elt = torch.empty((), dtype=config.dtype).element_size()
         _, data_bytes = rc._C.testing.heap_bytes(config.world, config.cap, config.hidden, config.topk, elt,
                                                  config.ar_slot_bytes)
