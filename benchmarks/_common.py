@@ -1,7 +1,8 @@
 """What the benchmarks share: the command line, the JSONL results file
-(header first, never overwritten) and the progress bar. The world, the
-timing and the reports are rdna4_comm._bench's. bench_kernels.py, which runs
-in one process of its own, uses :func:`results_path` and :func:`header` only.
+(header first, never overwritten) and the progress bar. The world and the
+ops they time are rdna4_comm._bench's (the demo's too), the reports
+_harness.report's. bench_kernels.py, which runs in one process of its own,
+uses :func:`results_path` and :func:`header` only.
 
 Results file: one JSON object per line. The first is the header (``"type":
 "header"``: versions, device, world size, transport, timestamp, command
@@ -22,7 +23,8 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-from rdna4_comm._bench.report import save_heatmap, speedup, summary
+from _harness.report import save_heatmap, summary
+from rdna4_comm._bench.cases import speedup
 from rdna4_comm._bench.world import describe, launch, resolve_world
 from rdna4_comm._launch import WorldFailed
 

@@ -124,13 +124,13 @@ from typing import Optional
 import _common
 import torch
 
-from rdna4_comm._bench.kernel_cases import CPU_SHAPES, DTYPE, GPU_SHAPES, Cases, Shapes
-from rdna4_comm._bench.ncu import aggregate, find_ncu, ncu_table, ncu_version, run_ncu
-from rdna4_comm._bench.profiling import Timer
-from rdna4_comm._bench.report import finite, format_table
-from rdna4_comm._timing import Stats
+from _harness.kernel_cases import CPU_SHAPES, DTYPE, GPU_SHAPES, Cases, Shapes, one_rank
+from _harness.ncu import aggregate, find_ncu, ncu_table, ncu_version, run_ncu
+from _harness.profiling import Timer
+from _harness.report import finite
 from rdna4_comm._bench.world import describe
-from rdna4_comm._ranks import one_rank, usable_gpus
+from rdna4_comm._ranks import usable_gpus
+from rdna4_comm._timing import Stats, format_table
 
 NAME = "bench_kernels"
 

@@ -251,14 +251,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   for (const Transport* t : transports()) one_shot_max[t->name] = one_shot_max_bytes(*t);
   testing.attr("one_shot_max_bytes") = one_shot_max;
   testing.attr("max_launch_blocks") = kMaxLaunchBlocks;
-#ifdef RDNA4_COMM_WITH_GPU
-  testing.def("occupy_gpu", &occupy_gpu, py::arg("device"), py::arg("fraction"), py::arg("ms"),
-              "Keep `fraction` of the GPU's thread slots spinning for `ms` ms, on the current stream");
-  testing.def("store_out_of_bounds", &store_out_of_bounds, py::arg("device"),
-              "One store just past the end of a fresh 256-byte allocation (for compute-sanitizer)");
-  testing.def("fp8_conversion_mismatches", &fp8_conversion_mismatches, py::arg("device"),
-              "(count, lowest) of the fp32 patterns whose FP8 byte from the kernels differs from fp8.h's");
-#endif
   // The call words of calls.h, for the tests.
   py::module_ calls = m.def_submodule("calls", "Call words (csrc/calls.h)");
   calls.def("all_reduce", [](int dtype, int64_t numel) { return all_reduce_call(dtype, numel); });

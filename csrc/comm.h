@@ -466,13 +466,6 @@ void expert_layout_on_gpu(const Dispatched& d, int64_t experts, int64_t alignmen
 // of y (expert_rows_of) summed into `rows` ([W*cap, H], fresh).
 void sum_expert_rows_on_gpu(const at::Tensor& y, const at::Tensor& expert_rows_of, const at::Tensor& counts,
                             const at::Tensor& rows);
-// Test kernels (rdna4_comm._C.testing), on the device's current stream.
-void occupy_gpu(int device_index, double fraction, int64_t ms);
-void store_out_of_bounds(int device_index);
-// Patterns, of all 2^32 fp32 ones, whose FP8 byte from the kernels'
-// conversion differs from fp8.h's (two NaNs match), and the lowest of them
-// (0xffffffff when none).
-std::pair<int64_t, int64_t> fp8_conversion_mismatches(int device_index);
 #endif
 
 }  // namespace rdna4_comm

@@ -2,8 +2,8 @@
 tests' (tests/harness.py), the benchmarks' and the demo's
 (:mod:`rdna4_comm._bench`) and the doctor's (:mod:`rdna4_comm.doctor`).
 One class, :class:`RankContext`; each kind of world only picks the device
-and whether NCCL joins (:func:`bench_rank`, :func:`one_rank`; the tests and
-the doctor build theirs where they start their worlds)."""
+and whether NCCL joins (:func:`bench_rank`; the tests, the doctor and
+benchmarks/bench_kernels.py build theirs where they start their worlds)."""
 from __future__ import annotations
 
 import gc
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from ._launch import Member, free_port
+from ._launch import Member
 from .transport_policy import TRANSPORT_RECORDS
 
 
@@ -175,15 +175,3 @@ def bench_rank(member: Member, transport: str) -> RankContext:
     device = torch.device("cuda", member.rank) if on_gpu else torch.device("cpu")
     return RankContext(member.rank, member.world, transport, device, member.init_method, nccl=on_gpu, member=member)
 
-
-def one_rank(device: str) -> RankContext:
-    """A world of one process, this one (benchmarks/bench_kernels.py): gloo on
-    127.0.0.1; ``device`` "cuda": transport "gpu" on cuda:0, "cpu": transport
-    "cpu", the CPU transport and torch's baselines on the calling thread
-    (torch's thread pool also costs milliseconds per op on small, loaded
-    machines)."""
-    init = f"tcp://127.0.0.1:{free_port()}"
-    if device == "cuda":
-        return RankContext(0, 1, "gpu", torch.device("cuda", 0), init, baseline="torch")
-    torch.set_num_threads(1)
-    return RankContext(0, 1, "cpu", torch.device("cpu"), init, baseline="torch")

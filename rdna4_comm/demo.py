@@ -34,9 +34,8 @@ from typing import Callable
 import torch
 
 from . import _C, reference
-from ._bench.cases import EP_EXPERTS, EP_TOPK, allreduce_ops, ep_ops, record
+from ._bench.cases import EP_EXPERTS, EP_TOPK, allreduce_ops, ep_ops, record, speedup
 from ._checks import assert_same, rand
-from ._bench.report import speedup
 from ._timing import Op, format_table, measure
 from ._bench.world import describe, launch, resolve_world
 from ._ranks import CheckFailed

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -22,6 +23,9 @@ from rdna4_comm.reference import assert_rmsnorm_within_contract
 from rdna4_comm._checks import assert_same, received_rows
 from rdna4_comm._launch import Member, ProcessWorld, to_cpu
 from rdna4_comm._ranks import RankContext
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import gpu_testing  # noqa: E402  (the testing extension, for --plant-oob)
 
 W, CAP, H, TOPK = 2, 16, 64, 2
 EXPERTS = 4 * W
@@ -92,7 +96,7 @@ def every_op(ctx: RankContext, plant: bool):
         graph.replay()
         replays.append(to_cpu(captured))  # the next replay overwrites them
     if plant and r == 1:
-        rc._C.testing.store_out_of_bounds(dev.index)
+        gpu_testing.load().store_out_of_bounds(dev.index)
     torch.cuda.synchronize()
     comm.close()
     return eager, replays, H2
@@ -134,6 +138,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--plant-oob", action="store_true", help="rank 1 makes one out-of-bounds store")
     args = p.parse_args(argv)
+    if args.plant_oob:
+        gpu_testing.load()  # built here, before the ranks load it
     with ProcessWorld(W, gpu_rank) as world:
         per_rank = world.call(every_op, {r: (args.plant_oob,) for r in range(W)})
     check(per_rank)

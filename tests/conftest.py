@@ -3,6 +3,7 @@ import os
 import pytest
 import torch
 
+import gpu_testing
 from harness import World
 
 import rdna4_comm as rc
@@ -52,6 +53,15 @@ def worlds():
     yield get
     for w in cache.values():
         w.close()
+
+
+@pytest.fixture(scope="session")
+def testing_extension():
+    """The testing extension (tests/gpu_testing.py), built once a session
+    before any rank process loads it; skips without a GPU build and a GPU."""
+    if not (rc._C.with_gpu and torch.cuda.is_available()):
+        pytest.skip("needs a GPU and a GPU build")
+    return gpu_testing.load()
 
 
 @pytest.fixture(scope="session", params=ALL_WORLDS, ids=world_ids)

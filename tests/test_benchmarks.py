@@ -3,7 +3,7 @@ user runs them: they succeed, the results file has its header and positive
 times, an existing results file is never overwritten, the heatmap is saved.
 Plus bench_ep's --cap, and bench_kernels.py on the CPU transport with the
 parsers of its GPU-only paths (torch.profiler events:
-rdna4_comm._bench.profiling; ncu's CSV: rdna4_comm._bench.ncu) on
+benchmarks/_harness/profiling.py; ncu's CSV: benchmarks/_harness/ncu.py) on
 recorded-format inputs."""
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # as the scripts see it: _common, _harness
 FAST = ["--transport", "cpu", "--world", "2", "--rounds", "2", "--samples", "3"]
 TIMEOUT_S = 180
 
@@ -188,7 +189,6 @@ def test_bench_kernels_on_cpu(tmp_path):
 def _bench_kernels_module():
     """benchmarks/bench_kernels.py as a module (for its ncu child's command line)."""
     if "bench_kernels" not in sys.modules:
-        sys.path.insert(0, str(ROOT / "benchmarks"))  # its "import _common"
         spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "benchmarks" / "bench_kernels.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules["bench_kernels"] = module  # before it runs: its dataclasses look their module up
@@ -206,7 +206,7 @@ COMBINE = ("rdna4_comm::gpu::(anonymous namespace)::combine_kernel(rdna4_comm::g
 
 
 def test_bench_kernels_reads_ncu_csv_and_matches_its_kernels_to_the_ops():
-    from rdna4_comm._bench import ncu
+    from _harness import ncu
 
     assert ncu.function_base(ELEMENTWISE) == "vectorized_elementwise_kernel"
     assert ncu.function_base(DISPATCH) == "dispatch_kernel" and ncu.function_base("combine_kernel") == "combine_kernel"
@@ -267,7 +267,7 @@ def test_bench_kernels_groups_profiler_events_by_call():
 
     from torch.autograd import DeviceType
 
-    from rdna4_comm._bench import profiling
+    from _harness import profiling
 
     a = profiling.ANNOTATION
 
@@ -298,7 +298,7 @@ def test_bench_kernels_runs_ncu_and_reads_its_report(tmp_path):
     command (flags, bench_kernels' child command line), the --import of the
     report it wrote, and the kernels split into the ops; and a failing ncu
     reported."""
-    from rdna4_comm._bench import ncu
+    from _harness import ncu
 
     bk = _bench_kernels_module()
     csv_text = "\n".join([

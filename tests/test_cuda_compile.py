@@ -3,10 +3,10 @@ measured on), one .cu file (op family) at a time, without warnings, within
 the 128 registers a 512-thread block allows, and none spills: a spill in a
 row loop is a local-memory round trip per unrolled step.
 
-Also checks the GPU transport's host glue (csrc/gpu/*.cpp, and every host
-file with code for GPU builds only) compiles against
-the installed torch and the CUDA runtime headers, so a CPU-only CI machine
-still type-checks it.
+Also checks the GPU transport's host glue (csrc/gpu/*.cpp, every host file
+with code for GPU builds only, and the testing extension's
+csrc/testing/module.cpp) compiles against the installed torch and the CUDA
+runtime headers, so a CPU-only CI machine still type-checks them.
 
 Needs nvcc (skipped without it).
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = sorted((ROOT / "csrc" / "gpu").glob("*.cu"))
+SOURCES = sorted(ROOT.glob("csrc/*/*.cu"))  # the library's (gpu/) and the testing extension's (testing/)
 NVCC = shutil.which("nvcc")
 
 if NVCC is None:
@@ -77,8 +77,8 @@ def test_gpu_host_glue_compiles_against_torch_and_cuda_headers(tmp_path):
     # The host files with code under RDNA4_COMM_WITH_GPU or built only with
     # it, two at a time (torch's headers take a while).
     host = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "csrc").rglob("*.cpp")
-                  if p.parent.name == "gpu" or "RDNA4_COMM_WITH_GPU" in p.read_text())
-    assert "csrc/gpu/gpu_comm.cpp" in host and "csrc/gpu/runtime.cpp" in host
+                  if p.parent.name in ("gpu", "testing") or "RDNA4_COMM_WITH_GPU" in p.read_text())
+    assert {"csrc/gpu/gpu_comm.cpp", "csrc/gpu/runtime.cpp", "csrc/testing/module.cpp"} <= set(host)
     with ThreadPoolExecutor(2) as pool:
         for cmd, res in pool.map(check, host):
             assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stderr[-4000:]}"

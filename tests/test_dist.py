@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from unittest import mock
 
+import gpu_testing
 import pytest
 import torch
 from common import ROUTINGS, assert_bitwise, assert_dispatched, ep_inputs, examples, expert_fn, rand
@@ -280,18 +282,38 @@ def test_one_host_auto_and_env(worlds):
 
 # ------------------------------------------- GPU probe failure (fault injection)
 
-CORRUPT_PROBE_ENV = "RDNA4_COMM_TEST_CORRUPT_PROBE"
-
-
 @pytest.mark.skipif(not GPU_WORLDS, reason="needs 2+ GPUs and a GPU build")
-def test_a_failed_gpu_probe_falls_back_to_dist_under_auto_and_raises_under_gpu():
-    """Rank 0 writes a corrupted probe pattern to rank 1 through the real
-    mapping; rank 1's real verification catches it."""
-    with World(2, "gpu", env_of_rank={r: {CORRUPT_PROBE_ENV: "0:1"} for r in range(2)}) as world:
-        for transport, reason in world.run(t_auto_round_trip_warned):
+def test_a_failed_gpu_probe_falls_back_to_dist_under_auto_and_raises_under_gpu(testing_extension):
+    """Rank 0's probe words never reach rank 1's heap (t_losing_peer_writes);
+    rank 1's real verification catches it."""
+    with World(2, "gpu") as world:
+        for transport, reason in world.run(t_losing_peer_writes, t_auto_round_trip_warned):
             assert transport == "dist" and "peer-to-peer probe failed" in reason and "rank 0 -> rank 1" in reason
-        for kind, message in world.run(t_construct, {}, dict(transport="gpu")):
+        for kind, message in world.run(t_losing_peer_writes, t_construct, {}, dict(transport="gpu")):
             assert kind == "RuntimeError" and "rank 0 -> rank 1" in message, message
+
+
+def t_losing_peer_writes(ctx, task, *args):
+    """task(ctx, *args) with rank 1 publishing, for each GPU heap it makes, a
+    spare allocation as the heap's data (gpu_testing's with_spare_data):
+    rank 0 writes its probe words there and its flag into rank 1's signal
+    memory, so rank 1 sees the flag and not the words."""
+    if ctx.rank != 1:
+        return task(ctx, *args)
+    create = rc._C.create
+
+    def create_with_spare_data(config):
+        record = create(config)
+        if config.transport != "gpu":
+            return record
+        # The heap's data size (heap_bytes knows no FP8 dispatch; these communicators have none).
+        elt = torch.empty((), dtype=config.dtype).element_size()
+        _, data_bytes = rc._C.testing.heap_bytes(config.world, config.cap, config.hidden, config.topk, elt,
+                                                 config.ar_slot_bytes)
+        return gpu_testing.load().with_spare_data(record, config.device_index, data_bytes)
+
+    with mock.patch.object(rc._C, "create", create_with_spare_data):
+        return task(ctx, *args)
 
 
 def t_auto_round_trip_warned(ctx):

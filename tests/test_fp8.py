@@ -130,12 +130,11 @@ def test_the_kernels_conversion_is_torchs():
     assert rc._C.testing.fp8_e4m3fn_bits(big).tolist() == [0x7E, 0xFE, 0x7E, 0x7E, 0xFE, 0x7E]
 
 
-@pytest.mark.skipif(not (rc._C.with_gpu and torch.cuda.is_available()), reason="needs a GPU and a GPU build")
-def test_the_device_conversion_is_fp8h_on_every_pattern():
+def test_the_device_conversion_is_fp8h_on_every_pattern(testing_extension):
     """The conversion the GPU kernels run (the hardware's where there is one,
     platform.h's fp8x4_bits) against fp8.h's, on all 2^32 fp32 patterns, on
     the device; two NaNs match."""
-    count, lowest = rc._C.testing.fp8_conversion_mismatches(torch.cuda.current_device())
+    count, lowest = testing_extension.fp8_conversion_mismatches(torch.cuda.current_device())
     assert count == 0, f"{count} fp32 patterns convert otherwise than fp8.h, the lowest 0x{lowest:08x}"
 
 

@@ -5,6 +5,7 @@ worlds through the shared tests (test_allreduce, test_ep, test_moe,
 test_lifecycle)."""
 from __future__ import annotations
 
+import gpu_testing
 import pytest
 import torch
 from common import assert_bitwise, assert_dispatched, ep_inputs, expert_fn, rand, received_rows
@@ -261,13 +262,11 @@ def test_ops_on_two_streams_keep_their_order(worlds, task):
 def t_ops_beside_a_kernel_filling_the_gpu(ctx, fraction, ms):
     """Mixed ops while another stream's kernel holds most of the GPU's thread
     slots for `ms` ms: every block of every op still gets to run."""
-    import rdna4_comm as rc
-
     comm = ctx.comm(**graph_cfg(ctx.world), timeout_ms=20 * ms)
     inputs = [tuple(t.to(ctx.device) for t in stream_inputs(ctx.rank, ctx.world, i)) for i in range(4)]
     ctx.sync()
     with torch.cuda.stream(torch.cuda.Stream()):
-        rc._C.testing.occupy_gpu(ctx.device.index, fraction, ms)
+        gpu_testing.load().occupy_gpu(ctx.device.index, fraction, ms)
     results = []
     for i in range(8):
         x, idx, w, a = inputs[i % 4]
@@ -277,7 +276,7 @@ def t_ops_beside_a_kernel_filling_the_gpu(ctx, fraction, ms):
     return results
 
 
-def test_ops_complete_beside_a_kernel_filling_the_gpu(worlds):
+def test_ops_complete_beside_a_kernel_filling_the_gpu(worlds, testing_extension):
     W = GPU_WORLDS[0][1]
     per_rank = worlds("gpu", W).run(t_ops_beside_a_kernel_filling_the_gpu, 0.9, 1000)
     refs = [stream_reference(W, i) for i in range(4)]

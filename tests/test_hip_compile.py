@@ -4,7 +4,8 @@ Device: the kernels compile for RDNA4 (gfx1201), RDNA3 (gfx1100) and CDNA3
 (gfx942), and the gfx1201 code keeps the protocol's promises: flags are
 published with system-scope stores, every spin sleeps, no atomic reaches
 beyond the device (no peer atomics), waves are 32 lanes wide, and nothing
-spills to scratch. Every .cu file (one per op family) is checked on its own.
+spills to scratch. Every .cu file (one per op family, and the testing
+extension's test kernels) is checked on its own.
 Needs clang++-19 and HIP headers (Debian: clang-19 libamdhip64-dev).
 
 Host: every file that calls the CUDA/HIP runtime (the kernels' launchers in
@@ -27,7 +28,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = sorted((ROOT / "csrc" / "gpu").glob("*.cu"))
+SOURCES = sorted(ROOT.glob("csrc/*/*.cu"))  # the library's (gpu/) and the testing extension's (testing/)
 # The kernels each file must define (a name may appear as several instantiations).
 KERNELS_OF = {
     "all_reduce.cu": ["all_reduce_kernel"],

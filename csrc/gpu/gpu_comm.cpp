@@ -8,14 +8,13 @@
 
 #include <chrono>
 #include <condition_variable>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <sstream>
 #include <thread>
 
 #include "../comm.h"
+#include "export_record.h"
 #include "kernels.h"
 #include "runtime.h"
 
@@ -30,14 +29,6 @@ using namespace gpu;
     TORCH_CHECK(rc_err_ == ::rdna4_comm::gpu::kSuccess, "rdna4_comm: ", #expr, " failed: ", \
                 ::rdna4_comm::gpu::error_string(rc_err_));                                   \
   } while (0)
-
-// What a rank publishes about its heap: both IPC handles and its GPU's PCI
-// bus id (a peer maps it to its own device ordinal).
-struct ExportRecord {
-  IpcHandle signals;
-  IpcHandle data;
-  char pci_bus_id[32];
-};
 
 // The kernels' dtype of a tensor the ops' checks let through.
 DType dtype_of(at::ScalarType t) {
@@ -184,23 +175,12 @@ class GpuComm final : public Comm {
     }
   }
 
-  // Test hook: RDNA4_COMM_TEST_CORRUPT_PROBE="src:dst" makes rank src write a
-  // wrong probe pattern to rank dst through the real mapping, so that dst's
-  // real verification fails. Returns dst on rank src, else -1.
-  int corrupted_probe_peer() const {
-    const char* spec = std::getenv("RDNA4_COMM_TEST_CORRUPT_PROBE");
-    int src = -1, dst = -1;
-    if (spec == nullptr || std::sscanf(spec, "%d:%d", &src, &dst) != 2) return -1;
-    return src == cfg_.rank ? dst : -1;
-  }
-
   // Every peer writes a pattern through the real mapping and flag protocol;
   // this rank verifies what arrived. Returns "" or what failed, per pair.
   std::string finish() override {
     c10::cuda::CUDAGuard guard(cfg_.device_index);
     if (cfg_.world == 1) return "";
-    launch_probe(env_, probe_result_, corrupted_probe_peer(),
-                 c10::cuda::getCurrentCUDAStream(cfg_.device_index).stream());
+    launch_probe(env_, probe_result_, c10::cuda::getCurrentCUDAStream(cfg_.device_index).stream());
     RC_GPU_CHECK(get_last_error());
     RC_GPU_CHECK(device_synchronize());
     int32_t bad[kMaxGpuWorld] = {};
@@ -443,50 +423,6 @@ void raise_not_resident(const char* op, int blocks, int per_sm, int sm_count) {
               " multiprocessors at once: every block must be resident (the launch policy in csrc/protocol.h)");
 }
 }  // namespace gpu
-
-void occupy_gpu(int device_index, double fraction, int64_t ms) {
-  c10::cuda::CUDAGuard guard(device_index);
-  int sms = 0;
-  uint64_t ticks_per_ms = 0;
-  RC_GPU_CHECK(gpu::multiprocessor_count(&sms, device_index));
-  RC_GPU_CHECK(gpu::timer_ticks_per_ms(&ticks_per_ms, device_index));
-  const int blocks = std::max(1, int(fraction * gpu::occupy_blocks_per_sm() * sms));
-  gpu::launch_occupy(blocks, uint64_t(ms) * ticks_per_ms, c10::cuda::getCurrentCUDAStream(device_index).stream());
-  RC_GPU_CHECK(gpu::get_last_error());
-}
-
-void store_out_of_bounds(int device_index) {
-  c10::cuda::CUDAGuard guard(device_index);
-  constexpr int64_t kInts = 64;
-  void* p = nullptr;
-  RC_GPU_CHECK(gpu::malloc_data(&p, kInts * sizeof(int32_t)));
-  gpu::launch_store_out_of_bounds(static_cast<int32_t*>(p), kInts, c10::cuda::getCurrentCUDAStream(device_index).stream());
-  RC_GPU_CHECK(gpu::get_last_error());
-  RC_GPU_CHECK(gpu::device_synchronize());
-  RC_GPU_CHECK(gpu::free_device(p));
-}
-
-std::pair<int64_t, int64_t> fp8_conversion_mismatches(int device_index) {
-  c10::cuda::CUDAGuard guard(device_index);
-  int sms = 0;
-  RC_GPU_CHECK(gpu::multiprocessor_count(&sms, device_index));
-  struct Result {
-    unsigned long long count;
-    uint32_t first;
-  } host{};
-  void* p = nullptr;
-  RC_GPU_CHECK(gpu::malloc_data(&p, sizeof(Result)));
-  auto* dev = static_cast<Result*>(p);
-  RC_GPU_CHECK(gpu::memset_device(&dev->count, 0, sizeof(dev->count)));
-  RC_GPU_CHECK(gpu::memset_device(&dev->first, 0xff, sizeof(dev->first)));
-  gpu::launch_fp8_conversion_check(&dev->count, &dev->first, 8 * sms,
-                                   c10::cuda::getCurrentCUDAStream(device_index).stream());
-  RC_GPU_CHECK(gpu::get_last_error());
-  RC_GPU_CHECK(gpu::device_synchronize());
-  RC_GPU_CHECK(gpu::memcpy_to_host(&host, dev, sizeof(Result)));
-  RC_GPU_CHECK(gpu::free_device(p));
-  return {int64_t(host.count), int64_t(host.first)};
-}
 
 bool current_stream_capturing(int device_index) {
   bool capturing = false;

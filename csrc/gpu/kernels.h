@@ -173,19 +173,7 @@ void launch_expert_layout(const ExpertLayoutArgs& a, Stream s);
 void launch_expert_sum(const ExpertSumArgs& a, Stream s);
 // Writes, per source rank, the number of probe words that arrived wrong (or
 // -1 when its flag never came) into `result` (device memory, [W] int32).
-void launch_probe(const Env& env, int32_t* result, int corrupt_dst, Stream s);
-
-// Test kernels (testing.cu). occupy: `blocks` blocks of kOccupyThreads
-// threads that spin for `ticks` timer ticks; store_out_of_bounds: one store
-// to p[index].
-constexpr int kOccupyThreads = 1024;
-int occupy_blocks_per_sm();
-void launch_occupy(int blocks, uint64_t ticks, Stream s);
-void launch_store_out_of_bounds(int32_t* p, int64_t index, Stream s);
-// fp8_conversion_check: counts the fp32 patterns (all 2^32) whose byte from
-// the kernels' FP8 conversion differs from fp8.h's, and the lowest of them
-// (first must start at 0xffffffff, count at 0).
-void launch_fp8_conversion_check(unsigned long long* count, uint32_t* first, int blocks, Stream s);
+void launch_probe(const Env& env, int32_t* result, Stream s);
 
 }  // namespace gpu
 }  // namespace rdna4_comm

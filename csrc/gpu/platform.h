@@ -316,7 +316,8 @@ RC_DEVICE uint32_t float2_to_f16x2_bits_not_nan(float lo, float hi) {
 // two (round to nearest even; past 448 saturating to 448, as fp8.h does).
 // The instruction writes every NaN as 0x7f; so does fp8.h for the quotients
 // the kernels convert, since a NaN the GPU's division returns is positive.
-// testing.fp8_conversion_mismatches checks every fp32 pattern.
+// The testing extension's fp8_conversion_mismatches (csrc/testing/) checks
+// every fp32 pattern.
 RC_DEVICE uint32_t fp8x4_bits(const float (&v)[4]) {
 #if !defined(RC_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   uint16_t lo, hi;

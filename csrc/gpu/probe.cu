@@ -11,8 +11,7 @@ RC_DEVICE uint32_t probe_word(int src, int dst, int i, uint64_t gen) {
          uint32_t(gen * 0x27D4EB2Fu);
 }
 
-// corrupt_dst >= 0 (a test hook): this rank writes a wrong pattern to that peer.
-__global__ void __launch_bounds__(kThreads) probe_kernel(Env env, int32_t* result, int corrupt_dst) {
+__global__ void __launch_bounds__(kThreads) probe_kernel(Env env, int32_t* result) {
   const Layout& L = env.layout;
   const int me = env.rank, W = env.world, tid = threadIdx.x;
   const Round round = begin_round(env, kOpProbe, 0);  // no call: the probe checks none
@@ -23,8 +22,7 @@ __global__ void __launch_bounds__(kThreads) probe_kernel(Env env, int32_t* resul
   for (int p = 0; p < W; ++p) {
     if (p == me) continue;
     uint32_t* buf = reinterpret_cast<uint32_t*>(L.probe_buf(env.data[p], me));
-    const uint32_t flip = p == corrupt_dst ? 1u : 0u;
-    for (int i = tid; i < kWords; i += blockDim.x) buf[i] = probe_word(me, p, i, gen) ^ flip;
+    for (int i = tid; i < kWords; i += blockDim.x) buf[i] = probe_word(me, p, i, gen);
   }
   block_sync();
   block_signal_ranks(env, gen, peer_ranks(env), [&](int r) { return L.probe_flag(env.sig[r], me); });
@@ -46,8 +44,8 @@ __global__ void __launch_bounds__(kThreads) probe_kernel(Env env, int32_t* resul
 
 }  // namespace
 
-void launch_probe(const Env& env, int32_t* result, int corrupt_dst, Stream s) {
-  launch("probe", probe_kernel, 1, s, env, result, corrupt_dst);
+void launch_probe(const Env& env, int32_t* result, Stream s) {
+  launch("probe", probe_kernel, 1, s, env, result);
 }
 
 }  // namespace gpu

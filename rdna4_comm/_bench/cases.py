@@ -6,7 +6,6 @@ before it is timed. Inputs come from :func:`~rdna4_comm._checks.pattern`.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Callable, Optional
 
 import torch
@@ -35,8 +34,8 @@ EP_BITS = 4  # bf16/fp16: |value| <= 8, sums over 32 ranks stay within 8 bits
 
 def record(op: str, tokens: int, hidden: int, dtype: torch.dtype, ops: list[Op], stats: dict[str, Stats],
            cap: Optional[int] = None) -> dict:
-    """What a worker emits for one measured configuration (see
-    :mod:`~rdna4_comm._bench.report`); ``bytes`` is the payload
+    """What a worker emits for one measured configuration (the demo's table
+    and benchmarks/_harness/report.py print them); ``bytes`` is the payload
     per rank; ``cap``, where given, the communicator's max_tokens_per_rank."""
     rec = {
         "op": op,
@@ -52,6 +51,12 @@ def record(op: str, tokens: int, hidden: int, dtype: torch.dtype, ops: list[Op],
     return rec
 
 
+def speedup(stats: dict[str, Stats], backend: str) -> float:
+    """rdna4_comm's speedup over ``backend`` in one configuration: its p50 /
+    rdna4_comm's p50 (> 1: rdna4_comm is faster; 1.0 for rdna4_comm itself)."""
+    return stats[backend].p50_us / stats["rdna4_comm"].p50_us
+
+
 # -------------------------------------------------------------- all_reduce
 
 
@@ -63,14 +68,13 @@ def rdna4_allreduce_op(comm: Communicator, x: torch.Tensor, check: Callable, bac
 
 
 def allreduce_ops(ctx: RankContext, comm: Communicator, tokens: int, hidden: int,
-                  symm: Optional["SymmMemOneShot"] = None, dist_comm: Optional[Communicator] = None) -> list[Op]:
-    """fp32 sum of a [tokens, hidden] tensor over the ranks: rdna4_comm
-    (out of place: copies the input in, returns a new tensor) against
-    torch.distributed.all_reduce (in place: no copy), if given rdna4_comm
-    over its "dist" transport (``dist_comm``, as "rdna4_comm_dist") and, if
-    given, torch's symmetric-memory one-shot all_reduce (reading a buffer
-    that already holds the input: no copy). The baselines get their
-    cheapest form."""
+                  dist_comm: Optional[Communicator] = None) -> list[Op]:
+    """fp32 sum of a [tokens, hidden] tensor over the ranks
+    (:func:`~rdna4_comm._checks.allreduce_case`): rdna4_comm (out of place:
+    copies the input in, returns a new tensor) against
+    torch.distributed.all_reduce (in place: no copy, the baseline's cheapest
+    form) and, if given, rdna4_comm over its "dist" transport
+    (``dist_comm``, as "rdna4_comm_dist")."""
     x, check = allreduce_case(ctx.rank, ctx.world, tokens, hidden, ctx.device)
     ops = [rdna4_allreduce_op(comm, x, check)]
     if dist_comm is not None:
@@ -84,49 +88,7 @@ def allreduce_ops(ctx: RankContext, comm: Communicator, tokens: int, hidden: int
 
     ops.append(Op(ctx.baseline, torch_all_reduce, check, reset=lambda: inplace.copy_(x),
                   detail=f"torch.distributed.all_reduce ({ctx.baseline}), in place"))
-    if symm is not None:
-        ops.append(symm.op(x, check))
     return ops
-
-
-class SymmMemOneShot:
-    """torch.ops.symm_mem.one_shot_all_reduce over one symmetric-memory buffer
-    (GPU only), big enough for the largest tensor of a sweep."""
-
-    backend = "symm_mem_one_shot"
-
-    def __init__(self, buf: torch.Tensor, group_name: str):
-        self.buf, self.group_name = buf, group_name
-
-    @classmethod
-    def create(cls, ctx: RankContext, max_numel: int) -> Optional["SymmMemOneShot"]:
-        """Collective. None, with a note, where torch lacks it or it fails to set up."""
-        error = None
-        try:
-            import torch.distributed._symmetric_memory as symm_mem
-
-            torch.ops.symm_mem.one_shot_all_reduce  # noqa: B018  (AttributeError where missing)
-            name = ctx.group.group_name
-            if not symm_mem.is_symm_mem_enabled_for_group(name):
-                # Needed before torch 2.13; deprecated (and a no-op) since.
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", FutureWarning)
-                    symm_mem.enable_symm_mem_for_group(name)
-            buf = symm_mem.empty(max_numel, dtype=torch.float32, device=ctx.device)
-            symm_mem.rendezvous(buf, name)
-        except Exception as e:  # noqa: BLE001  (any failure means: no such baseline here)
-            error = f"{type(e).__name__}: {e}"
-        bad = ctx.errors(error)
-        if bad:
-            ctx.note(f"{cls.backend} skipped, torch symmetric memory is not usable here: " + "; ".join(bad))
-            return None
-        return cls(buf, name)
-
-    def op(self, x: torch.Tensor, check) -> Op:
-        view = self.buf[: x.numel()].view(x.shape)
-        return Op(self.backend, lambda: torch.ops.symm_mem.one_shot_all_reduce(view, "sum", self.group_name),
-                  check, reset=lambda: view.copy_(x), optional=True,
-                  detail="torch.ops.symm_mem.one_shot_all_reduce from a symmetric buffer holding the input")
 
 
 # ------------------------------------------------------- dispatch/combine
@@ -279,48 +241,3 @@ def ep_ops(ctx: RankContext, comm: Communicator, tokens: int, seed: int = 0, lay
                       detail=f"quantize_fp8(x); all_gather of the FP8 bytes, scales, topk_idx, topk_weights; "
                              f"dequantize_fp8 + {rs_how}"))
     return ops
-
-
-# ------------------------------------------------------ all_reduce_rmsnorm
-
-FUSED_EPS = 1e-6
-
-
-def fused_ops(ctx: RankContext, comm: Communicator, tokens: int, hidden: int, dtype: torch.dtype = torch.bfloat16) -> list[Op]:
-    """all_reduce + residual add + RMSNorm of [tokens, hidden] partial sums:
-    rdna4_comm.all_reduce_rmsnorm against the same three steps unfused, once
-    over torch.distributed.all_reduce (in place) and once over rdna4_comm's
-    all_reduce. residual_out is checked bitwise (the inputs' sums are exact),
-    out against the contract."""
-    dev = ctx.device
-    xs = [pattern(r, tokens, hidden, dtype, dev, bits=EP_BITS) for r in range(ctx.world)]
-    x = xs[ctx.rank]
-    residual = pattern(ctx.world, tokens, hidden, dtype, dev, bits=EP_BITS)
-    weight = pattern(ctx.world + 1, 1, hidden, dtype, dev, bits=EP_BITS).reshape(hidden)
-    _, expected_residual = reference.all_reduce_rmsnorm([t.cpu() for t in xs], residual.cpu(), weight.cpu(), FUSED_EPS)
-    del xs
-    what = f"all_reduce_rmsnorm [{tokens}, {hidden}] {str(dtype).replace('torch.', '')}"
-
-    def check(result):
-        out, residual_out = result
-        assert_same(residual_out, expected_residual, f"{what} residual_out vs rdna4_comm.reference")
-        reference.assert_rmsnorm_within_contract(out, residual_out, weight, FUSED_EPS, what)
-
-    def unfused(summed):
-        r = summed + residual
-        return reference.rms_norm(r, weight, FUSED_EPS), r
-
-    inplace = torch.empty_like(x)
-
-    def torch_composition():
-        dist.all_reduce(inplace, group=ctx.group)
-        return unfused(inplace)
-
-    return [
-        Op("rdna4_comm", lambda: comm.all_reduce_rmsnorm(x, residual, weight, FUSED_EPS), check,
-           detail="rdna4_comm.all_reduce_rmsnorm (fused)"),
-        Op("rdna4_comm_unfused", lambda: unfused(comm.all_reduce(x)), check,
-           detail="rdna4_comm.all_reduce + add + RMSNorm in torch ops"),
-        Op(ctx.baseline, torch_composition, check, reset=lambda: inplace.copy_(x),
-           detail=f"torch.distributed.all_reduce ({ctx.baseline}, in place) + add + RMSNorm in torch ops"),
-    ]

@@ -2,8 +2,7 @@
 (transport "gpu", or "dist" where the GPUs lack peer access) or plain CPU
 processes (transport "cpu"), each with its process groups set up
 (rdna4_comm._ranks.bench_rank); rank 0 streams
-messages back to the launching process. (A world of one process, the
-calling one, for benchmarks/bench_kernels.py: rdna4_comm._ranks.one_rank.)"""
+messages back to the launching process."""
 from __future__ import annotations
 
 import os

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from .._timing import format_table
+from rdna4_comm._timing import format_table
 
 NCU_METRICS = ("dram__throughput.avg.pct_of_peak_sustained_elapsed", "dram__bytes.sum",
                "smsp__inst_executed.sum", "gpu__time_duration.sum", "smsp__warps_launched.sum")

@@ -1,5 +1,5 @@
 """The ops of benchmarks/bench_kernels.py's rows (its docstring says what each
-row times), in a world of one rank (a world of one: :func:`rdna4_comm._ranks.one_rank`):
+row times), in a world of one rank (:func:`one_rank`):
 :class:`Cases` builds the communicators, inputs and ops, each op a
 :class:`KOp` with the check its result passes before it is timed.
 
@@ -16,15 +16,28 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .. import reference
-from ..communicator import Communicator
-from ..fp8 import FP8_DTYPE, quantize_fp8
-from .cases import EP_BITS, EP_EXPERTS, EP_TOPK, ep_routing
-from .._checks import assert_dispatched, assert_same, pattern
-from .._ranks import RankContext
+from rdna4_comm import reference
+from rdna4_comm._bench.cases import EP_BITS, EP_EXPERTS, EP_TOPK, ep_routing
+from rdna4_comm._checks import assert_dispatched, assert_same, pattern
+from rdna4_comm._launch import free_port
+from rdna4_comm._ranks import RankContext
+from rdna4_comm.communicator import Communicator
+from rdna4_comm.fp8 import FP8_DTYPE, quantize_fp8
 
 DTYPE = torch.bfloat16
 SEED = 0
+
+
+def one_rank(device: str) -> RankContext:
+    """A world of one process, this one: gloo on 127.0.0.1; ``device``
+    "cuda": transport "gpu" on cuda:0, "cpu": transport "cpu", the CPU
+    transport and torch's baselines on the calling thread (torch's thread
+    pool also costs milliseconds per op on small, loaded machines)."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    if device == "cuda":
+        return RankContext(0, 1, "gpu", torch.device("cuda", 0), init, baseline="torch")
+    torch.set_num_threads(1)
+    return RankContext(0, 1, "cpu", torch.device("cpu"), init, baseline="torch")
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
-// Kernels only the tests launch (through rdna4_comm._C.testing): one that
-// keeps most of the GPU busy while the ops run (co-residency under load),
-// one planted out-of-bounds store that shows compute-sanitizer instruments
-// the rank processes (scripts/gpu_sanitize.sh), and one that checks the
-// kernels' FP8 conversion against fp8.h's over every fp32 bit pattern.
-#include "device/launch.cuh"
+// Kernels only the tests launch (through the testing extension, module.cpp):
+// one that keeps most of the GPU busy while the ops run (co-residency under
+// load), one planted out-of-bounds store that shows compute-sanitizer
+// instruments the rank processes (scripts/gpu_sanitize.sh), and one that
+// checks the kernels' FP8 conversion against fp8.h's over every fp32 bit
+// pattern.
+#include "../gpu/device/launch.cuh"
+#include "testing.h"
 
 namespace rdna4_comm {
 namespace gpu {

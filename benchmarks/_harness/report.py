@@ -1,10 +1,11 @@
-"""What the benchmarks and the demo print about measured configurations: the
-side-by-side table, the speedup summary and the speedup heatmap.
+"""What the benchmarks print about measured configurations: the side-by-side
+table, the speedup summary and the speedup heatmap.
 
-A configuration record (:func:`~rdna4_comm._bench.cases.record`) is a dict
+A configuration record (:func:`rdna4_comm._bench.cases.record`) is a dict
 with "op", "tokens", "hidden", "dtype", "bytes", "stats" ({backend:
-:class:`~rdna4_comm._timing.Stats`}) and "details" ({backend: what was
-timed}). The speedup of rdna4_comm over a baseline is :func:`speedup`.
+:class:`rdna4_comm._timing.Stats`}) and "details" ({backend: what was
+timed}). The speedup of rdna4_comm over a baseline is
+:func:`rdna4_comm._bench.cases.speedup`.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import math
 from pathlib import Path
 from typing import Sequence
 
-from .._timing import Stats, format_table
+from rdna4_comm._bench.cases import speedup
+from rdna4_comm._timing import format_table
 
 
 def finite(obj):
@@ -24,12 +26,6 @@ def finite(obj):
     if isinstance(obj, (list, tuple)):
         return [finite(v) for v in obj]
     return obj
-
-
-def speedup(stats: dict[str, Stats], backend: str) -> float:
-    """rdna4_comm's speedup over ``backend`` in one configuration: its p50 /
-    rdna4_comm's p50 (> 1: rdna4_comm is faster; 1.0 for rdna4_comm itself)."""
-    return stats[backend].p50_us / stats["rdna4_comm"].p50_us
 
 
 def comparison_table(records: Sequence[dict]) -> str:

@@ -26,8 +26,9 @@ from typing import Any, Callable
 
 import torch
 
-from .._timing import _GpuClock
-from .._ranks import RankContext
+from rdna4_comm._ranks import RankContext
+from rdna4_comm._timing import _GpuClock
+
 from .ncu import function_base
 
 # The prefix of the record_function ranges Timer opens around each call.
@@ -81,8 +82,8 @@ def attribute_device_events(events, annotation: str = ANNOTATION) -> dict[str, l
 class Timer:
     """Device and host times of ops on ``rank``'s device (see the module
     docstring); ``rank`` has ``device`` (a torch.device) and ``sync()`` (e.g.
-    a world of one: :func:`rdna4_comm._ranks.one_rank`). An op is a callable that takes
-    no argument; its result is not read, except by :meth:`graph_times`."""
+    a world of one: :func:`.kernel_cases.one_rank`). An op is a callable that
+    takes no argument; its result is not read, except by :meth:`graph_times`."""
 
     def __init__(self, rank: RankContext):
         self.rank = rank
