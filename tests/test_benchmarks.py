@@ -355,7 +355,7 @@ def test_auto_world_is_the_library_choice_for_one_process_per_gpu():
     assert resolve_world("cpu") == ("cpu", 2)
     # "dist" takes the GPUs where there are any, as a Communicator's does, else CPU processes.
     assert resolve_world("dist") == ("dist", gpus if gpus else 2)
-    with pytest.raises(ValueError, match="transport must be 'auto', 'gpu', 'cpu' or 'dist'"):
+    with pytest.raises(ValueError, match=r"transport must be one of \('auto', 'cpu', 'dist', 'gpu'\)"):
         resolve_world("nccl")
 
 

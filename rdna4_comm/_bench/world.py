@@ -14,7 +14,7 @@ import torch
 from .. import _C
 from .._launch import ProcessWorld
 from .._ranks import RankContext, bench_rank, runs_on_gpus, usable_gpus
-from ..transport_policy import TRANSPORT_RECORDS, choose_transport, device_report
+from ..transport_policy import TRANSPORT_RECORDS, TRANSPORTS, choose_transport, device_report
 
 
 def resolve_world(transport: str = "auto", world: Optional[int] = None) -> tuple[str, int]:
@@ -28,6 +28,8 @@ def resolve_world(transport: str = "auto", world: Optional[int] = None) -> tuple
     if transport == "auto":
         reports = [device_report(d) for d in range(gpus)] if gpus >= 2 else [device_report(None)] * 2
         transport = choose_transport("auto", reports, with_gpu=bool(_C.with_gpu), allow_shared_gpu=False).transport
+    if transport not in TRANSPORT_RECORDS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     if runs_on_gpus(transport):
         if gpus == 0:
             raise ValueError(
@@ -37,12 +39,10 @@ def resolve_world(transport: str = "auto", world: Optional[int] = None) -> tuple
         world = gpus if world is None else world
         if not 1 <= world <= gpus:
             raise ValueError(f"--world {world}: {gpus} usable GPU(s) here, one process per GPU")
-    elif transport in ("cpu", "dist"):
+    else:
         world = 2 if world is None else world
         if not 1 <= world <= _C.max_world:
             raise ValueError(f"--world {world}: {transport!r} on CPUs takes 1..{_C.max_world} processes")
-    else:
-        raise ValueError(f"transport must be 'auto', 'gpu', 'cpu' or 'dist', got {transport!r}")
     return transport, world
 
 
