@@ -35,6 +35,7 @@ import _common
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "with_vllm"))
 import checkpoints  # noqa: E402
+import engine  # noqa: E402
 
 # (model, engine settings, whether vLLM runs it without the plugin)
 CONFIGS = [
@@ -48,20 +49,7 @@ CACHE_ROOT = tempfile.mkdtemp(prefix="bench_vllm_cache_")
 
 
 def run(spec: dict, plugin: bool) -> dict:
-    import subprocess
-
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1" if spec.get("tp", 1) * spec.get("dp", 1) > 1 else "0",
-               VLLM_CACHE_ROOT=CACHE_ROOT)
-    if plugin:
-        env["VLLM_PLUGINS"] = "rdna4_comm"
-    else:
-        env.pop("VLLM_PLUGINS", None)
-    proc = subprocess.run([sys.executable, str(HERE.parent / "tests" / "with_vllm" / "generate.py"), json.dumps(spec)],
-                          env=env, capture_output=True, text=True, timeout=1800)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM run {spec} (plugin {plugin}) exited {proc.returncode}:\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return engine.generate(spec, plugin, CACHE_ROOT, 1800)
 
 
 def main(argv=None) -> int:

