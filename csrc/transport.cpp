@@ -7,7 +7,7 @@
 #include <deque>
 #include <sstream>
 
-#include "comm.h"
+#include "protocol.h"
 
 namespace rdna4_comm {
 namespace {
