@@ -133,48 +133,36 @@ void bind_transports(py::module_& m) {
   }, "Every transport's record, by name");
 }
 
-}  // namespace
-}  // namespace rdna4_comm
+// The protocol's policies and predicates, bound so that the tests (and
+// callers who plan around them: rdna4_comm.algorithms) check the functions
+// the transports and kernels themselves call.
+// The FP8 rule of fp8.h (what the CPU transport and the kernels run), on
+// CPU tensors, for the tests: the conversion alone, and whole rows.
+void bind_fp8_rule(py::module_& testing) {
+  testing.def("fp8_e4m3fn_bits", [](const at::Tensor& f) {
+    TORCH_CHECK_VALUE(f.scalar_type() == at::kFloat && f.device().is_cpu(), "fp8_e4m3fn_bits: a CPU float32 tensor");
+    const at::Tensor in = f.contiguous();
+    at::Tensor out = at::empty(in.sizes(), in.options().dtype(at::kByte));
+    const float* p = in.data_ptr<float>();
+    uint8_t* o = out.data_ptr<uint8_t>();
+    for (int64_t i = 0; i < in.numel(); ++i) o[i] = fp8_e4m3fn_bits(p[i]);
+    return out;
+  }, py::arg("f"));
+  testing.def("quantize_fp8_rows", [](const at::Tensor& x) {
+    TORCH_CHECK_VALUE(x.dim() == 2 && x.device().is_cpu(), "quantize_fp8_rows: a CPU [T, H] tensor");
+    const at::Tensor in = x.contiguous();
+    const int64_t T = in.size(0), H = in.size(1), S = fp8_num_scales(H);
+    at::Tensor q = at::empty({T, H}, in.options().dtype(at::kByte));
+    at::Tensor scales = at::empty({T, S}, in.options().dtype(at::kFloat));
+    const char* p = static_cast<const char*>(in.data_ptr());
+    for (int64_t t = 0; t < T; ++t)
+      cpu::quantize_fp8_row(in.scalar_type(), p + t * H * in.element_size(), H,
+                            static_cast<char*>(q.data_ptr()) + t * H, scales.data_ptr<float>() + t * S);
+    return std::make_pair(q.view(at::kFloat8_e4m3fn), scales);
+  }, py::arg("x"));
+}
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  using namespace rdna4_comm;
-  m.doc() = "rdna4_comm C++ core: communicator bootstrap, op table, transports, limits and predicates";
-  bind_config(m);
-  bind_op_table(m);
-  bind_transports(m);
-  m.def("create", &create, py::arg("config"), "Create this rank's communicator and heap; returns its export handle");
-  m.def("connect", [](const std::string& id, const std::vector<std::string>& handles) {
-    find_comm(id)->connect(handles);
-  }, "Open every rank's heap from the gathered export handles");
-  m.def("finish", [](const std::string& id) { return find_comm(id)->finish(); },
-        "Finish bootstrap after a group barrier (unlink, P2P probe)");
-  m.def("destroy", &remove_comm, "Release this rank's communicator");
-  // The fakes' (rdna4_comm/ops.py) view of a communicator: its device, or
-  // None once it is closed.
-  m.def("comm_device", [](const std::string& id) -> py::object {
-    auto c = lookup_comm(id);
-    if (!c) return py::none();
-    return py::cast(c->device());
-  }, py::arg("id"));
-  m.def("check", [](const std::string& id) { find_comm(id)->raise_pending(); },
-        "Raise if an earlier op of the communicator failed");
-  py::module_ eager = m.def_submodule("eager", "The ops' eager entry points (eager.cpp)");
-  eager::def_all(eager);
-  m.def("watch_peers", &watch_peers, "Watch the peers' processes: [(rank, pid, start_time)]");
-  m.def("process_start_time", &process_start_time, py::arg("pid"),
-        "Start time of a process as /proc shows it, 0 if not visible");
-  m.def("process_alive", [](int pid, uint64_t start_time) { return process_alive(PeerProcess{-1, pid, start_time}); },
-        py::arg("pid"), py::arg("start_time"), "Whether that process still runs (not gone, reused or a zombie)");
-  m.attr("with_gpu") = find_transport("gpu").built;
-  m.def("allreduce_use_one_shot", [](int64_t nbytes, int world, const std::string& transport) {
-    return allreduce_use_one_shot(nbytes, world, find_transport(transport).device_kernels);
-  }, py::arg("nbytes"), py::arg("world"), py::arg("transport"));
-  m.attr("max_world") = kMaxWorld;
-  m.attr("max_topk") = kMaxTopk;
-  m.def("rmsnorm_path_counts", &rmsnorm_path_counts, "Calls of all_reduce_rmsnorm by path");
-
-  // The protocol's policies, bound so that the tests check the functions the
-  // transports and kernels themselves call.
+void bind_policies(py::module_& m) {
   auto testing = m.def_submodule("testing", "protocol.h policies, for the tests");
   testing.def("ep_chunk_tokens", &ep_chunk_tokens, py::arg("ntok"));
   testing.def("ep_num_chunks", &ep_num_chunks, py::arg("ntok"));
@@ -208,29 +196,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               py::arg("sm_count"));
   testing.attr("expert_chunk_rows") = kExpertChunkRows;
   // (signal bytes, data bytes) of the heap layout of a configuration.
-  // The FP8 rule of fp8.h (what the CPU transport and the kernels run), on
-  // CPU tensors: the conversion alone, and whole rows.
-  testing.def("fp8_e4m3fn_bits", [](const at::Tensor& f) {
-    TORCH_CHECK_VALUE(f.scalar_type() == at::kFloat && f.device().is_cpu(), "fp8_e4m3fn_bits: a CPU float32 tensor");
-    const at::Tensor in = f.contiguous();
-    at::Tensor out = at::empty(in.sizes(), in.options().dtype(at::kByte));
-    const float* p = in.data_ptr<float>();
-    uint8_t* o = out.data_ptr<uint8_t>();
-    for (int64_t i = 0; i < in.numel(); ++i) o[i] = fp8_e4m3fn_bits(p[i]);
-    return out;
-  }, py::arg("f"));
-  testing.def("quantize_fp8_rows", [](const at::Tensor& x) {
-    TORCH_CHECK_VALUE(x.dim() == 2 && x.device().is_cpu(), "quantize_fp8_rows: a CPU [T, H] tensor");
-    const at::Tensor in = x.contiguous();
-    const int64_t T = in.size(0), H = in.size(1), S = fp8_num_scales(H);
-    at::Tensor q = at::empty({T, H}, in.options().dtype(at::kByte));
-    at::Tensor scales = at::empty({T, S}, in.options().dtype(at::kFloat));
-    const char* p = static_cast<const char*>(in.data_ptr());
-    for (int64_t t = 0; t < T; ++t)
-      cpu::quantize_fp8_row(in.scalar_type(), p + t * H * in.element_size(), H,
-                            static_cast<char*>(q.data_ptr()) + t * H, scales.data_ptr<float>() + t * S);
-    return std::make_pair(q.view(at::kFloat8_e4m3fn), scales);
-  }, py::arg("x"));
   testing.def("heap_bytes", [](int world, int64_t cap, int64_t hidden, int64_t topk, int64_t elt, int64_t slot_bytes) {
     HeapConfig c;
     c.world = world;
@@ -271,4 +236,48 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rmsnorm_row_in_registers", &rmsnorm_row_in_registers, py::arg("hidden"), py::arg("elt"));
   m.def("allreduce_slot_bytes", &allreduce_slot_bytes, py::arg("transport"), py::arg("requested") = 0,
         "The all_reduce slot of a communicator: requested, or the transport's default when 0, aligned");
+  bind_fp8_rule(testing);
+}
+
+}  // namespace
+}  // namespace rdna4_comm
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace rdna4_comm;
+  m.doc() = "rdna4_comm C++ core: communicator bootstrap, op table, transports, limits and predicates";
+  bind_config(m);
+  bind_op_table(m);
+  bind_transports(m);
+  m.def("create", &create, py::arg("config"), "Create this rank's communicator and heap; returns its export handle");
+  m.def("connect", [](const std::string& id, const std::vector<std::string>& handles) {
+    find_comm(id)->connect(handles);
+  }, "Open every rank's heap from the gathered export handles");
+  m.def("finish", [](const std::string& id) { return find_comm(id)->finish(); },
+        "Finish bootstrap after a group barrier (unlink, P2P probe)");
+  m.def("destroy", &remove_comm, "Release this rank's communicator");
+  // The fakes' (rdna4_comm/ops.py) view of a communicator: its device, or
+  // None once it is closed.
+  m.def("comm_device", [](const std::string& id) -> py::object {
+    auto c = lookup_comm(id);
+    if (!c) return py::none();
+    return py::cast(c->device());
+  }, py::arg("id"));
+  m.def("check", [](const std::string& id) { find_comm(id)->raise_pending(); },
+        "Raise if an earlier op of the communicator failed");
+  py::module_ eager = m.def_submodule("eager", "The ops' eager entry points (eager.cpp)");
+  eager::def_all(eager);
+  m.def("watch_peers", &watch_peers, "Watch the peers' processes: [(rank, pid, start_time)]");
+  m.def("process_start_time", &process_start_time, py::arg("pid"),
+        "Start time of a process as /proc shows it, 0 if not visible");
+  m.def("process_alive", [](int pid, uint64_t start_time) { return process_alive(PeerProcess{-1, pid, start_time}); },
+        py::arg("pid"), py::arg("start_time"), "Whether that process still runs (not gone, reused or a zombie)");
+  m.attr("with_gpu") = find_transport("gpu").built;
+  m.def("allreduce_use_one_shot", [](int64_t nbytes, int world, const std::string& transport) {
+    return allreduce_use_one_shot(nbytes, world, find_transport(transport).device_kernels);
+  }, py::arg("nbytes"), py::arg("world"), py::arg("transport"));
+  m.attr("max_world") = kMaxWorld;
+  m.attr("max_topk") = kMaxTopk;
+  m.def("rmsnorm_path_counts", &rmsnorm_path_counts, "Calls of all_reduce_rmsnorm by path");
+
+  bind_policies(m);
 }
