@@ -1,4 +1,7 @@
+#include "bounds.h"
 #include "comm.h"
+#include "flags.h"
+#include "policies.h"
 
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>

@@ -19,6 +19,7 @@
 
 #include "fp8.h"
 #include "layout.h"
+#include "policies.h"
 
 namespace rdna4_comm {
 

@@ -2,6 +2,7 @@
 // table of what each value must be, whose texts the GPU kernel's error word
 // (device_bad_handle_message) shares (docs/semantics.md, "Bad handles").
 #include "comm.h"
+#include "error_words.h"
 
 #include <c10/util/Exception.h>
 

@@ -10,8 +10,11 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include "bounds.h"
 #include "comm.h"
 #include "cpu/cpu_arith.h"
+#include "policies.h"
+#include "routing.h"
 
 namespace rdna4_comm {
 namespace {

@@ -26,6 +26,9 @@
 #include <vector>
 
 #include "../comm.h"
+#include "../flags.h"
+#include "../policies.h"
+#include "../routing.h"
 #include "cpu_arith.h"
 
 namespace rdna4_comm {
@@ -408,7 +411,7 @@ class CpuComm final : public Comm {
 
   // One round of the all_reduce protocol over a chunk cut into shares `sh`
   // (elements of st), for all_reduce and all_reduce_rmsnorm alike (one
-  // generation sequence, protocol.h at kAllReduceSequence). For each piece b
+  // generation sequence, flags.h at kAllReduceSequence). For each piece b
   // (piece(o, b, &e0, &e1): elements of owner o's share, each piece its own
   // flag slot): push piece b of every owner's share of `in` into its inbox,
   // sum this rank's piece over the ranks into `sum` (at the share's offset),
@@ -504,7 +507,7 @@ class CpuComm final : public Comm {
     }
   }
 
-  // Bounded wait for `*flag >= gen` (why `>=`: protocol.h, at HeadSlot) that
+  // Bounded wait for `*flag >= gen` (why `>=`: flags.h, at HeadSlot) that
   // yields the core (tests run 4 ranks on 2 cores), stops early once a
   // peer's process has exited, and checks the peer's call word of the round
   // while it waits and when the flag has come.

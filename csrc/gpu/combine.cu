@@ -3,6 +3,10 @@
 // contributions straight from y.
 #include <type_traits>
 
+#include "../bounds.h"
+#include "../error_words.h"
+#include "../flags.h"
+#include "../policies.h"
 #include "device/rows.cuh"
 #include "device/routing.cuh"
 #include "device/sync.cuh"
