@@ -2,11 +2,12 @@
 // table of what each value must be, whose texts the GPU kernel's error word
 // (device_bad_handle_message) shares (docs/semantics.md, "Bad handles").
 #include "comm.h"
-#include "error_words.h"
 
 #include <c10/util/Exception.h>
 
 #include <sstream>
+
+#include "error_words.h"
 
 namespace rdna4_comm {
 
