@@ -15,7 +15,8 @@ from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 CPU_SOURCES = ["csrc/ops.cpp", "csrc/comm.cpp", "csrc/call_words.cpp", "csrc/peer_processes.cpp", "csrc/ep_layouts.cpp",
-               "csrc/handle_checks.cpp", "csrc/cpu/cpu_comm.cpp", "csrc/torch_dist/dist_comm.cpp"]
+               "csrc/handle_checks.cpp", "csrc/cpu/cpu_comm.cpp", "csrc/cpu/cpu_ep.cpp",
+               "csrc/torch_dist/dist_comm.cpp"]
 # One .cu per op family (all_reduce.cu, all_reduce_rmsnorm.cu, dispatch.cu, combine.cu, expert_layout.cu,
 # probe.cu) and the test kernels (testing.cu).
 GPU_SOURCES = ["csrc/gpu/gpu_comm.cpp", "csrc/gpu/runtime.cpp"] + sorted(glob.glob("csrc/gpu/*.cu"))
