@@ -1,9 +1,9 @@
 // The error word: how a failure found on the device reaches the host. One
 // 64-bit word in host-mapped memory (gpu::Env::error), 0 while nothing has
-// failed: the first thread to fail stores its word and later failures leave
-// it (record_error), and the host reads it at the next op. Bit 63 is set in
-// every word, so none is 0; bits 56..62 hold its cause, which says what the
-// bits below carry. Plain C++ for every transport and the kernels
+// failed, written by the kernels (record_error, gpu/device/sync.cuh) and by
+// the host's peer watchdog, and read by the host at the next op. Bit 63 is
+// set in every word, so none is 0; bits 56..62 hold its cause, which says
+// what the bits below carry. Plain C++ for every transport and the kernels
 // (qualifiers.h).
 #pragma once
 
@@ -27,7 +27,7 @@ RC_HD uint64_t encode_peer_error(int cause, int peer, uint64_t round) {
 }
 RC_HD int error_peer(uint64_t word) { return int((word >> 48) & 0xff); }
 RC_HD uint64_t error_round(uint64_t word) { return word & 0xffffffffffffull; }
-// A kernel's wait of op `op` on `peer` in `round` gave up.
+// A kernel's wait of op `op` on `peer` in `round` timed out.
 RC_HD uint64_t encode_timeout(int op, int peer, uint64_t round) { return encode_peer_error(op, peer, round); }
 // A kernel found `peer`'s call word of `round` differ from its own (the two
 // words: Layout::mismatch).
