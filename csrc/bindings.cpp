@@ -5,10 +5,14 @@
 // tests.
 #include <torch/extension.h>
 
+#include "bounds.h"
+#include "calls.h"
 #include "comm.h"
 #include "cpu/cpu_arith.h"
 #include "eager.h"
 #include "op_table.h"
+#include "policies.h"
+#include "routing.h"
 
 namespace rdna4_comm {
 namespace {
@@ -163,7 +167,7 @@ void bind_fp8_rule(py::module_& testing) {
 }
 
 void bind_policies(py::module_& m) {
-  auto testing = m.def_submodule("testing", "protocol.h policies, for the tests");
+  auto testing = m.def_submodule("testing", "The protocol's policies (policies.h), for the tests");
   testing.def("ep_chunk_tokens", &ep_chunk_tokens, py::arg("ntok"));
   testing.def("ep_num_chunks", &ep_num_chunks, py::arg("ntok"));
   testing.def("ep_max_chunks", &ep_max_chunks, py::arg("cap"));
@@ -226,7 +230,7 @@ void bind_policies(py::module_& m) {
   calls.def("combine", [](bool expert_layout, uint64_t round) { return combine_call(expert_layout, round); });
   calls.def("stamp", [](uint64_t fields, uint64_t round) { return call_word(fields, round); });
   calls.def("of_round", [](uint64_t word, uint64_t round) { return call_of_round(word, round); });
-  // The fused op's gate: the predicates the op itself uses (protocol.h).
+  // The fused op's gate: the predicates the op itself uses (policies.h).
   m.def("rmsnorm_path", [](int64_t tokens, int64_t hidden, int64_t elt, int world, const std::string& transport,
                            int64_t slot_bytes) {
     const bool gpu = find_transport(transport).device_kernels;

@@ -20,6 +20,7 @@
 
 #include "fp8.h"
 #include "layout.h"
+#include "policies.h"
 #include "transport.h"
 
 namespace rdna4_comm {

@@ -7,6 +7,8 @@
 
 #include <sstream>
 
+#include "error_words.h"
+
 namespace rdna4_comm {
 
 std::string Comm::bad_handle_message(int field, int64_t index, int64_t value, const std::string& expected) {

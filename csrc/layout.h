@@ -1,11 +1,16 @@
 // Where each buffer and flag lives in the symmetric heap (Layout), derived
 // from a communicator's sizes (HeapConfig) alone, so every rank computes the
-// same offsets. Plain C++, like protocol.h: the CPU transport, the host side
-// of the GPU transport and the device kernels all read one definition.
+// same offsets. Plain C++ for every transport and the kernels (qualifiers.h).
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+
+#include "bounds.h"
 #include "calls.h"
-#include "protocol.h"
+#include "flags.h"
+#include "policies.h"
+#include "qualifiers.h"
 
 namespace rdna4_comm {
 

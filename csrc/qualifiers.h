@@ -1,10 +1,14 @@
 // Function qualifiers, defined once for every compiler that reads the
 // sources: RC_HD for code that host, device and the CPU transport share
-// (protocol.h), RC_DEVICE for device-only helpers. Both are inline, so a
-// header's functions may appear in every translation unit that includes it.
-// Also the bit casts and the alignment test that shared code needs.
+// (the protocol's headers), RC_DEVICE for device-only helpers. Both are
+// inline, so a header's functions may appear in every translation unit that
+// includes it. The shared headers are plain C++ (no torch, no CUDA runtime),
+// so the CPU transport, the host side of the GPU transport and the device
+// kernels all read one definition. Also the bit casts, the alignment test
+// and the rounding that shared code needs.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #if defined(__CUDACC__) || defined(__HIPCC__) || defined(__HIP__)
@@ -29,3 +33,8 @@ RC_HD float bits_float(uint32_t u) {
 // p on a 16-byte boundary: where the GPU kernels' row loops can use their
 // widest vectors (with rows that are whole 16-byte vectors).
 RC_HD bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+namespace rdna4_comm {
+RC_HD size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+RC_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+}  // namespace rdna4_comm

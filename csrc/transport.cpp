@@ -7,7 +7,7 @@
 #include <deque>
 #include <sstream>
 
-#include "protocol.h"
+#include "policies.h"
 
 namespace rdna4_comm {
 namespace {

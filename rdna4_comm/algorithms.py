@@ -1,5 +1,5 @@
 """Which algorithm an op of :class:`rdna4_comm.Communicator` takes: the same
-predicates the C++ ops use (csrc/protocol.h), for callers who plan around them."""
+predicates the C++ ops use (csrc/policies.h), for callers who plan around them."""
 from __future__ import annotations
 
 from typing import Optional
@@ -10,7 +10,7 @@ from . import _C
 
 def allreduce_algorithm(nbytes: int, world_size: int, transport: str) -> str:
     """The all_reduce path for a tensor of ``nbytes``: "one_shot" or "two_shot"
-    (the predicate the C++ ops use, see csrc/protocol.h)."""
+    (the predicate the C++ ops use, see csrc/policies.h)."""
     return "one_shot" if _C.allreduce_use_one_shot(nbytes, world_size, transport) else "two_shot"
 
 
@@ -22,7 +22,7 @@ def all_reduce_rmsnorm_algorithm(
     rows of ``hidden`` elements: "one_stage", "two_stage", or
     "all_reduce_then_norm" when a row does not fit the communicator's
     all_reduce slot (``allreduce_slot_bytes``, default the transport's). The
-    predicate the C++ op itself uses (csrc/protocol.h, rmsnorm_path)."""
+    predicate the C++ op itself uses (csrc/policies.h, rmsnorm_path)."""
     slot = _C.allreduce_slot_bytes(transport, allreduce_slot_bytes or 0)
     elt = torch.empty((), dtype=dtype).element_size()
     return _C.rmsnorm_path(tokens, hidden, elt, world_size, transport, slot)

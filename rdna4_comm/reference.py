@@ -52,7 +52,7 @@ def all_reduce_rmsnorm(
 
 def ieee_normalised(r32: torch.Tensor, eps: float) -> torch.Tensor:
     """``r32 * (1 / sqrt(mean(r32**2, -1) + eps))`` as the kernels compute it
-    (``rmsnorm_inv_rms`` in csrc/protocol.h): the squares summed in float64
+    (``rmsnorm_inv_rms`` in csrc/rmsnorm_arith.h): the squares summed in float64
     and the mean rounded once to float32, then every step one correctly
     rounded float32 operation. Each step runs in float64 and is rounded to
     float32 (exact for a product, correctly rounded for a sum, quotient or

@@ -1,4 +1,4 @@
-"""Launch and algorithm policies (csrc/protocol.h): the functions the kernels
+"""Launch and algorithm policies (csrc/policies.h): the functions the kernels
 and the CPU transport use to chunk tokens and size grids."""
 from __future__ import annotations
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "../comm.h"
+#include "../rmsnorm_arith.h"
 
 namespace rdna4_comm {
 namespace cpu {

@@ -1,6 +1,9 @@
 // all_reduce: one-shot (every rank pushes its whole chunk to every peer and
 // reduces locally) and two-shot (reduce-scatter, then all-gather). Block b
 // moves piece b of every share (allreduce_piece) and has its own flag slots.
+#include "../bounds.h"
+#include "../flags.h"
+#include "../policies.h"
 #include "device/copy.cuh"
 #include "device/reduce.cuh"
 #include "device/sync.cuh"

@@ -1,5 +1,5 @@
 // all_reduce + residual add + RMSNorm on the all_reduce protocol (one
-// generation sequence with all_reduce, protocol.h at kAllReduceSequence).
+// generation sequence with all_reduce, flags.h at kAllReduceSequence).
 // A block finishes whole rows: the rank-ordered fp32 sum of the row's
 // partials rounded once, plus the residual rounded once (residual_out), then
 // the block's sum of squares, then weight * round(r * inv_rms).
@@ -9,6 +9,10 @@
 //              and residual_out rows to every peer (two barriers).
 // Block b moves rows piece b of every shard (rmsnorm_piece) and has its own
 // flag slots, as in all_reduce.
+#include "../bounds.h"
+#include "../flags.h"
+#include "../policies.h"
+#include "../rmsnorm_arith.h"
 #include "device/copy.cuh"
 #include "device/reduce.cuh"
 #include "device/sync.cuh"

@@ -1,6 +1,12 @@
 // combine: sender blocks return every received row to its source's inbox;
 // receiver blocks sum this rank's tokens over their destination ranks, own
 // contributions straight from y.
+#include <type_traits>
+
+#include "../bounds.h"
+#include "../error_words.h"
+#include "../flags.h"
+#include "../policies.h"
 #include "device/rows.cuh"
 #include "device/routing.cuh"
 #include "device/sync.cuh"

@@ -7,6 +7,11 @@
 // Then every block writes its share of the padding rows' routing (-1 ids, 0
 // weights); the padding rows of x are left unwritten, so the work follows the
 // routed rows, not the capacity.
+#include "../bounds.h"
+#include "../flags.h"
+#include "../policies.h"
+#include "device/routing.cuh"
+#include "device/sync.cuh"
 #include "dispatch_sender.cuh"
 
 namespace rdna4_comm {

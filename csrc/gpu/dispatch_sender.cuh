@@ -4,6 +4,10 @@
 // receiver blocks use too.
 #pragma once
 
+#include "../bounds.h"
+#include "../flags.h"
+#include "../policies.h"
+#include "../routing.h"
 #include "device/fp8_rows.cuh"
 #include "device/routing.cuh"
 #include "device/sync.cuh"

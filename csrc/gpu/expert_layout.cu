@@ -12,7 +12,7 @@
 // decode step on a prefill-sized communicator pays for its own rows.
 //
 // The rows are placed in three kernels, over chunks of kExpertChunkRows
-// received rows (protocol.h):
+// received rows (policies.h):
 //  1. tally: a warp per chunk sets, for each local expert e, the bitmask of
 //     the chunk's rows that have e (chunk_masks);
 //  2. offsets, one block: per expert, the rows of the earlier chunks that
@@ -22,6 +22,10 @@
 //     the block copies the rows, each loaded once and stored to each of its
 //     pair rows; then the alignment padding.
 // combine_expert's sums take a share of the received rows per block too.
+#include <type_traits>
+
+#include "../bounds.h"
+#include "../policies.h"
 #include "device/rows.cuh"
 
 namespace rdna4_comm {

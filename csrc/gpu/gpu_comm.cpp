@@ -13,7 +13,11 @@
 #include <sstream>
 #include <thread>
 
+#include "../bounds.h"
 #include "../comm.h"
+#include "../error_words.h"
+#include "../flags.h"
+#include "../policies.h"
 #include "export_record.h"
 #include "kernels.h"
 #include "runtime.h"
@@ -208,14 +212,14 @@ class GpuComm final : public Comm {
   void check() override {
     const uint64_t word = __atomic_load_n(error_host_, __ATOMIC_ACQUIRE);
     if (word == 0) return;
-    TORCH_CHECK(timeout_op(word) != kOpPeerExited, exit_message(timeout_peer(word)));
-    TORCH_CHECK(timeout_op(word) != kOpBadHandle, device_bad_handle_message(word));
+    TORCH_CHECK(error_cause(word) != kErrorPeerExited, exit_message(error_peer(word)));
+    TORCH_CHECK(error_cause(word) != kErrorBadHandle, device_bad_handle_message(word));
     // The call words the kernels left in this rank's signal memory (the
     // failed op has ended: its kernel records the word before it exits).
-    const int peer = timeout_peer(word);
-    const uint64_t round = timeout_round(word);
+    const int peer = error_peer(word);
+    const uint64_t round = error_round(word);
     char* own = env_.sig[cfg_.rank];
-    if (timeout_op(word) == kOpCallMismatch) {
+    if (error_cause(word) == kErrorCallMismatch) {
       uint64_t words[2] = {};
       RC_GPU_CHECK(memcpy_to_host(words, layout_.mismatch(own, peer), sizeof(words)));
       TORCH_CHECK_VALUE(false, mismatch_message(round, words[0], peer, words[1]));
@@ -224,7 +228,7 @@ class GpuComm final : public Comm {
     RC_GPU_CHECK(memcpy_to_host(&mine, layout_.call_slot(own, round, cfg_.rank), sizeof(mine)));
     for (int parity = 0; parity < 2; ++parity)
       RC_GPU_CHECK(memcpy_to_host(&theirs[parity], layout_.call_slot(own, parity, peer), sizeof(uint64_t)));
-    TORCH_CHECK(false, timeout_message(timeout_op(word), peer, round, mine, theirs));
+    TORCH_CHECK(false, timeout_message(error_cause(word), peer, round, mine, theirs));
   }
 
   // Kernels cannot see a peer's process, so a host thread watches it: when
@@ -239,7 +243,7 @@ class GpuComm final : public Comm {
                                       [this] { return stop_watchdog_; })) {
         if (__atomic_load_n(error_host_, __ATOMIC_ACQUIRE) != 0) continue;
         const int gone = exited_peer();
-        if (gone >= 0) __atomic_store_n(error_host_, encode_timeout(kOpPeerExited, gone, 0), __ATOMIC_RELEASE);
+        if (gone >= 0) __atomic_store_n(error_host_, encode_peer_exit(gone), __ATOMIC_RELEASE);
       }
     });
   }
@@ -420,7 +424,7 @@ namespace gpu {
 void raise_not_resident(const char* op, int blocks, int per_sm, int sm_count) {
   TORCH_CHECK(false, "rdna4_comm: ", op, " launches ", blocks, " blocks whose blocks wait on each other, but this GPU ",
               "holds only ", per_sm, " of them per multiprocessor x ", sm_count,
-              " multiprocessors at once: every block must be resident (the launch policy in csrc/protocol.h)");
+              " multiprocessors at once: every block must be resident (the launch policy in csrc/policies.h)");
 }
 }  // namespace gpu
 

@@ -3,6 +3,7 @@
 // for it; creating it then raises.
 #include <c10/util/Exception.h>
 
+#include "../bounds.h"
 #include "../comm.h"
 
 namespace rdna4_comm {
@@ -20,7 +21,7 @@ std::shared_ptr<Comm> make(CommConfig) {
 #endif
 
 // The kernels' per-destination state in shared memory bounds the world,
-// and their 32-bit row indices cap (protocol.h).
+// and their 32-bit row indices cap (bounds.h).
 RDNA4_COMM_REGISTER_TRANSPORT("gpu", kBuilt, /*device_kernels=*/true, /*writes_cross_links=*/true,
                               /*process_group=*/false, /*device_tensors=*/true, /*graph_capture=*/true, kMaxGpuWorld,
                               kMaxGpuTokensPerRank, /*default_slot_bytes=*/int64_t(16) << 20, make);

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "../bounds.h"
 #include "../layout.h"
 #include "platform.h"
 
@@ -26,7 +27,7 @@ struct Env {
   int world = 1;
   int sm_count = 1;
   // Device view of a host-mapped word that the first kernel thread to give up
-  // on a peer sets (see encode_timeout); the host reads it at the next op.
+  // on a peer sets (error_words.h); the host reads it at the next op.
   uint64_t* error = nullptr;
   uint64_t timeout_ticks = 0;
 };

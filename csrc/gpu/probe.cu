@@ -1,5 +1,7 @@
 // The init-time P2P probe: every rank writes a pattern and a flag into every
 // peer through the real mapping; each rank counts the words that arrived wrong.
+#include "../bounds.h"
+#include "../flags.h"
 #include "device/sync.cuh"
 
 namespace rdna4_comm {

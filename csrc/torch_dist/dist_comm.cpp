@@ -22,6 +22,8 @@
 #include <sstream>
 
 #include "../comm.h"
+#include "../flags.h"
+#include "../policies.h"
 
 namespace rdna4_comm {
 namespace {

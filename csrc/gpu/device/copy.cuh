@@ -2,6 +2,8 @@
 // alignment allow (widest_vector, launch.cuh).
 #pragma once
 
+#include "../../bounds.h"
+#include "../../policies.h"
 #include "launch.cuh"
 
 namespace rdna4_comm {

@@ -3,6 +3,7 @@
 // functions.
 #pragma once
 
+#include "../../policies.h"
 #include "../kernels.h"
 
 #include <initializer_list>
@@ -10,7 +11,7 @@
 namespace rdna4_comm {
 namespace gpu {
 
-constexpr int kThreads = kGpuBlockThreads;  // protocol.h
+constexpr int kThreads = kGpuBlockThreads;  // policies.h
 // Warps are 32 lanes or wider (64 on CDNA); warp_size() is a constant on
 // NVIDIA and read at run time on HIP. Per-warp arrays hold
 // kThreads / kMinWarpSize entries, enough for a block of any warp size.
@@ -46,7 +47,7 @@ int resident_blocks_per_sm(Kernel kernel, int threads) {
 }
 
 // Every kernel runs kThreads threads a block; `blocks` comes from the grid
-// policies in protocol.h (dispatch_grid, combine_grid, allreduce_blocks).
+// policies in policies.h (dispatch_grid, combine_grid, allreduce_blocks).
 // Co-residency: those policies count on one block per multiprocessor; the
 // kernel's real occupancy (registers, shared memory), asked once per kernel,
 // must hold the whole grid at once, or the launch raises instead of risking

@@ -2,6 +2,7 @@
 // rank and the reference round alike (bitwise equal results).
 #pragma once
 
+#include "../../bounds.h"
 #include "copy.cuh"
 
 namespace rdna4_comm {

@@ -1,8 +1,11 @@
 // Expert-parallel routing on the device, shared by dispatch and combine:
 // destination sets, row positions, and the (source, chunk) items receivers
-// take (chunkings: protocol.h, at ep_chunks).
+// take (chunkings: policies.h, at ep_chunks).
 #pragma once
 
+#include "../../bounds.h"
+#include "../../policies.h"
+#include "../../routing.h"
 #include "launch.cuh"
 
 namespace rdna4_comm {

@@ -9,6 +9,7 @@
 // pointers differ.
 #pragma once
 
+#include "../../policies.h"
 #include "reduce.cuh"
 
 namespace rdna4_comm {
@@ -17,7 +18,7 @@ namespace gpu {
 // Vectors in flight per thread in a row copy or sum (a sum's fp32
 // accumulators fit beside them: one combine kernel per dtype). A span of at
 // most kShortUnroll vectors per lane (a small batch's rows) takes a loop
-// unrolled that far instead (protocol.h, at kGpuShortUnroll, says why): a
+// unrolled that far instead (policies.h, at kGpuShortUnroll, says why): a
 // copy picks per span, a sum per kernel (sum_row's kUnroll).
 constexpr int kRowUnroll = 8;
 constexpr int kShortUnroll = kGpuShortUnroll;

@@ -27,6 +27,9 @@
 // act on shared memory (counters of a block).
 #pragma once
 
+#include "../../bounds.h"
+#include "../../error_words.h"
+#include "../../flags.h"
 #include "launch.cuh"
 
 namespace rdna4_comm {
@@ -111,7 +114,7 @@ RC_DEVICE Round begin_round(const Env& env, int sequence, uint64_t fields) {
 }
 
 // The first thread to fail leaves one word for the host: a timeout
-// (encode_timeout), a call that differs from a peer's (encode_mismatch, the
+// (encode_timeout), a call that differs from a peer's (encode_call_mismatch, the
 // two call words in this rank's mismatch slot of that peer first) or a bad
 // handle value (encode_bad_handle).
 RC_DEVICE void record_error(const Env& env, uint64_t word) {
@@ -121,7 +124,7 @@ RC_DEVICE void record_mismatch(const Env& env, int peer, uint64_t theirs) {
   uint64_t* words = env.layout.mismatch(env.sig[env.rank], peer);
   words[0] = round_word;  // every thread that finds this mismatch stores the same two words
   words[1] = theirs;
-  record_error(env, encode_mismatch(peer, round_number(env)));
+  record_error(env, encode_call_mismatch(peer, round_number(env)));
 }
 
 // Bounded wait of one thread until ready() holds and `peer`'s call word of
@@ -165,7 +168,7 @@ RC_DEVICE bool wait_until(const Env& env, const Round& r, int peer, Ready ready)
   }
 }
 
-// Bounded wait for `*flag >= gen` (why `>=`: protocol.h, at HeadSlot).
+// Bounded wait for `*flag >= gen` (why `>=`: flags.h, at HeadSlot).
 RC_DEVICE bool wait_flag(const Env& env, const Round& r, const uint64_t* flag, int peer) {
   return wait_until(env, r, peer, [&] { return load_acquire_sys(flag) >= r.gen; });
 }

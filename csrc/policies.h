@@ -1,105 +1,16 @@
-// The wire protocol shared by every transport: its limits, what a flag
-// carries, how tokens are routed, and the launch/algorithm policies (where
-// each buffer and flag lives in the symmetric heap: layout.h). Plain C++ (no
-// torch, no CUDA runtime), so the CPU transport, the host side of the GPU
-// transport and the device kernels all read one definition.
+// The launch and algorithm policies: how dispatch and combine chunk a
+// rank's tokens, which algorithm all_reduce and all_reduce_rmsnorm run and
+// how they cut their work into pieces, and the grid of every GPU launch.
+// Plain C++ for every transport and the kernels (qualifiers.h);
+// tests/test_policy.py checks them through rdna4_comm._C.testing.
 #pragma once
 
-#include <cstddef>
 #include <cstdint>
-#include <cmath>
 
+#include "bounds.h"
 #include "qualifiers.h"
 
 namespace rdna4_comm {
-
-// Destination sets are uint32 bitmasks.
-constexpr int kMaxWorld = 32;
-// Device kernels keep per-destination state in fixed shared-memory arrays.
-constexpr int kMaxGpuWorld = 8;
-constexpr int kMaxTopk = 64;
-// all_reduce flag slots per (parity, phase, source): bounds the grid size.
-constexpr int kMaxAllReduceBlocks = 256;
-// Blocks of any GPU launch: each has its own generation counter (Layout::counter).
-constexpr int kMaxLaunchBlocks = 256;
-constexpr int kProbeBytes = 4096;
-constexpr size_t kAlign = 256;
-// Stale peer reads were observed on gfx1201 with small reused cached IPC
-// allocations; every exported GPU allocation is at least this large.
-constexpr size_t kMinGpuAllocation = size_t(2) << 20;
-
-enum Op : int {
-  kOpAllReduce = 0,
-  kOpDispatch = 1,
-  kOpCombine = 2,
-  kOpProbe = 3,
-  kOpAllReduceRmsNorm = 4,
-  kNumOps = 5
-};
-
-RC_HD const char* op_name(int op) {
-  return op == kOpAllReduce          ? "all_reduce"
-         : op == kOpDispatch         ? "dispatch"
-         : op == kOpCombine          ? "combine"
-         : op == kOpAllReduceRmsNorm ? "all_reduce_rmsnorm"
-                                     : "p2p_probe";
-}
-
-// all_reduce_rmsnorm shares all_reduce's generation counter, flag slots and
-// regions: to the protocol it is one more all_reduce. Why that is safe: both
-// ops are full exchanges (every rank waits for every peer's flags of the op
-// before it finishes it), so one counter over both keeps the invariant the
-// parity rule rests on (a writer is at most one generation of the sequence
-// ahead of any reader), and every flag slot still only grows. Own regions
-// would double the largest part of the heap for nothing. Timeouts still name
-// the op that waited (kOpAllReduceRmsNorm) and the generation of the sequence.
-constexpr int kAllReduceSequence = kOpAllReduce;
-
-// A flag word holds the generation of the op that wrote it, and a reader of
-// op gen waits until `flag >= gen`. Why that is exact: a slot of parity
-// gen & 1 holds 0 from init, then the generations of that parity its one
-// writer published, so it only grows, and anything below gen is stale (an
-// older op of the same parity, or 0). Nothing above gen can be there before
-// this reader finished op gen: its writer stores gen + 2 only in op gen + 2,
-// which it starts after finishing op gen + 1, and finishing op gen + 1 needs
-// this rank's op gen + 1 flags, which this rank publishes only after it
-// finished op gen (stream order on the GPU, program order on the CPU). So
-// `>=` and `==` accept the same values; `>=` is the test that follows from
-// monotone flags alone.
-//
-// Slots with metadata: the writer stores the metadata with plain stores and
-// then the generation with a release (system scope on the GPU); the reader
-// acquires the generation before it reads the metadata.
-struct HeadSlot {  // dispatch: one per (parity, source), written by the source
-  uint64_t gen;
-  uint32_t ntok;          // tokens the source holds (T_s)
-  uint32_t nrows;         // rows the source sends to this rank
-  uint32_t chunk_tokens;  // the source's chunking: chunks of this many tokens, the last one shorter
-  uint32_t unused;
-};
-struct ChunkSlot {  // dispatch: one per (parity, source, token chunk)
-  uint64_t gen;
-  uint32_t row_start;  // first row of this chunk within the source's rows
-  uint32_t nrows;
-};
-static_assert(sizeof(HeadSlot) == 24 && sizeof(ChunkSlot) == 16, "slot layout");
-
-// A dispatch sender block's rows for one destination, for the sender blocks
-// after it (GPU transport, own memory): one 64-bit word per (block,
-// destination) holding the generation above the row count. The count
-// travels in the word that announces it, so a relaxed 64-bit store
-// publishes it and a relaxed load reads it whole: no release, no acquire.
-// Readers wait for `tally_gen(word) >= gen` (as for flags: the word only
-// grows, one writer). A count is below 2^kTallyRowBits (at most cap rows).
-constexpr int kTallyRowBits = 24;
-RC_HD uint64_t tally_word(uint64_t gen, int64_t rows) { return gen << kTallyRowBits | uint64_t(rows); }
-RC_HD uint64_t tally_gen(uint64_t word) { return word >> kTallyRowBits; }
-RC_HD int32_t tally_rows(uint64_t word) { return int32_t(word & ((uint64_t(1) << kTallyRowBits) - 1)); }
-
-RC_HD size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
-RC_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// ---------------------------------------------------------------- policies
 
 // Token chunking for dispatch/combine. A chunk is the unit of publication:
 // its rows travel together and one flag announces them. A chunking is a
@@ -123,10 +34,6 @@ RC_HD int64_t ep_num_chunks(int64_t ntok) { return ep_chunks(ntok, ep_chunk_toke
 // chunking: min(cap, 128). (Not ep_num_chunks(cap), which is not monotone:
 // 200 tokens make 100 chunks of 2, 257 tokens 86 chunks of 3.)
 RC_HD int64_t ep_max_chunks(int64_t cap) { return cap < kEpTargetChunks ? (cap < 1 ? 1 : cap) : kEpTargetChunks; }
-// Tokens per rank on the GPU transport: a received row's index (of W * cap)
-// fits the 22 bits a bad-handle word has for it (encode_bad_handle).
-constexpr int64_t kMaxGpuTokensPerRank = int64_t(1) << 18;
-static_assert(kMaxGpuTokensPerRank < (int64_t(1) << kTallyRowBits), "a tally word holds a block's row count");
 
 // Threads of every GPU block (the kernels' kThreads): the policies below
 // that depend on what one block does at once take it from here.
@@ -176,9 +83,9 @@ RC_HD bool dispatch_routing_warp(int64_t batch_rows, int64_t topk) { return batc
 // input to every peer and sums locally (one barrier, (W-1)*N bytes out per
 // rank). Two-shot: reduce-scatter then all-gather (two barriers,
 // 2*(W-1)/W*N bytes out per rank). One-shot wins while latency dominates.
-// At W = 2 both move the same bytes. The GPU threshold for W > 2 is not yet
-// measured (no machine with more than 2 GPUs was available); the CPU one
-// keeps memcpy traffic down for W > 2 beyond a few pages.
+// At W = 2 both move the same bytes. The GPU threshold for W > 2 is an
+// estimate no measurement backs; the CPU one keeps memcpy traffic down for
+// W > 2 beyond a few pages.
 constexpr int64_t kCpuOneShotMaxBytes = int64_t(64) << 10;
 constexpr int64_t kGpuOneShotMaxBytes = int64_t(512) << 10;
 RC_HD bool allreduce_use_one_shot(int64_t nbytes, int world, bool gpu) {
@@ -228,44 +135,6 @@ RC_HD void allreduce_piece(int64_t n, int elt, int b, int blocks, int64_t* e0, i
   *e1 = per * (b + 1) < n ? per * (b + 1) : n;
 }
 
-// A kernel that gives up on a peer leaves one 64-bit word in host-mapped
-// memory: bit 63 set, op in bits 56..62, peer in 48..55, the round (calls.h) below.
-RC_HD uint64_t encode_timeout(int op, int peer, uint64_t round) {
-  return (uint64_t(1) << 63) | (uint64_t(op) << 56) | (uint64_t(peer & 0xff) << 48) |
-         (round & 0xffffffffffffull);
-}
-// The host's peer watchdog (GPU transport) leaves the same word, with this
-// op, when a peer's process exits: spinning kernels then stop at once.
-constexpr int kOpPeerExited = 0x7f;
-// A kernel that found a peer's call word of a round differ from its own
-// leaves the same word with this op (the two words: Layout::mismatch).
-constexpr int kOpCallMismatch = 0x7d;
-RC_HD uint64_t encode_mismatch(int peer, uint64_t round) { return encode_timeout(kOpCallMismatch, peer, round); }
-RC_HD int timeout_op(uint64_t word) { return int((word >> 56) & 0x7f); }
-RC_HD int timeout_peer(uint64_t word) { return int((word >> 48) & 0xff); }
-RC_HD uint64_t timeout_round(uint64_t word) { return word & 0xffffffffffffull; }
-
-// Dispatch handles are user input. A combine kernel that finds a value out
-// of range leaves this word, with this op: the handle field in bits 54..55,
-// the element's index in bits 32..53 (W * cap < 2^22 on the GPU), the value
-// below. The host names the field, the index and the value.
-constexpr int kOpBadHandle = 0x7e;
-enum HandleField : int { kHandleRecvSrc = 0, kHandleCounts = 1, kHandleSrcTokens = 2, kHandleSendMask = 3 };
-RC_HD const char* handle_field_name(int field) {
-  return field == kHandleRecvSrc     ? "handle.recv_src"
-         : field == kHandleCounts    ? "handle.counts"
-         : field == kHandleSrcTokens ? "handle.src_tokens"
-                                     : "handle.send_mask";
-}
-RC_HD uint64_t encode_bad_handle(int field, int64_t index, int32_t value) {
-  return (uint64_t(1) << 63) | (uint64_t(kOpBadHandle) << 56) | (uint64_t(field & 3) << 54) |
-         (uint64_t(index & 0x3fffff) << 32) | uint64_t(uint32_t(value));
-}
-RC_HD int bad_handle_field(uint64_t word) { return int((word >> 54) & 3); }
-RC_HD int64_t bad_handle_index(uint64_t word) { return int64_t((word >> 32) & 0x3fffff); }
-RC_HD int32_t bad_handle_value(uint64_t word) { return int32_t(uint32_t(word & 0xffffffffull)); }
-static_assert(kMaxGpuWorld * kMaxGpuTokensPerRank <= (int64_t(1) << 22), "a recv_src index fits its 22 bits");
-
 // GPU launch policy. All blocks of a launch must be resident at once: a
 // block spins on flags that other blocks publish, of this launch or of a
 // peer's, and a block queued behind spinning ones would never run. The
@@ -275,18 +144,18 @@ static_assert(kMaxGpuWorld * kMaxGpuTokensPerRank <= (int64_t(1) << 22), "a recv
 // block's loads in flight per multiprocessor, so the bytes in flight grow
 // with the grid: on an H200 dispatch and combine of 4096 tokens took 5%
 // longer on 3/4 of the multiprocessors, and 1-1.5% longer with one in 16
-// left out. dispatch/combine split that budget between
-// senders and receivers by the memory streams each role runs per row: dispatch senders
+// left out. dispatch/combine split that budget between senders and
+// receivers by the memory streams each role runs per row: dispatch senders
 // read a row of x once and write it to each of its destinations (about W
 // streams at most, W + 1 counted), receivers read the heap and write the
 // output for the (W - 1) / W of the rows that came from peers (2 (W - 1)
-// counted); combine mirrors that. Each role keeps at least one block. The
-// role that handles this rank's own tokens (dispatch senders, combine
-// receivers) cuts them into one contiguous range per block, all of one size
-// (the last shorter), so every block moves the same rows: whole chunks per
-// block would leave blocks idle (128 chunks on 123 blocks run as two rounds
-// whichever way they are dealt). The split comes from this count, not yet
-// from a 2-GPU measurement.
+// counted); combine mirrors that. The split follows this count alone, no
+// measurement. Each role keeps at least one block. The role that handles
+// this rank's own tokens (dispatch senders, combine receivers) cuts them
+// into one contiguous range per block, all of one size (the last shorter),
+// so every block moves the same rows: whole chunks per block would leave
+// blocks idle (128 chunks on 123 blocks run as two rounds whichever way
+// they are dealt).
 struct EpGrid {
   int send_blocks;
   int recv_blocks;
@@ -358,14 +227,12 @@ RC_HD int allreduce_blocks(int64_t share_bytes, int sm_count) {
   return clamp_blocks(ceil_div(share_bytes, kAllReduceBytesPerBlock), most);
 }
 
-// ------------------------------------------------ all_reduce + RMSNorm
-
-// The fused op's rows. Its GPU kernel gives each row to one block of
-// kGpuBlockThreads threads; a
-// thread takes the row's 16-byte vectors t, t + threads, ... A row of at most
-// kRmsNormRowVectorsPerThread vectors per thread stays in registers between
-// the sum of squares and the normalisation; longer rows, and rows that are
-// not whole vectors, are re-read from residual_out (any H works).
+// all_reduce_rmsnorm's rows. Its GPU kernel gives each row to one block of
+// kGpuBlockThreads threads; a thread takes the row's 16-byte vectors t,
+// t + threads, ... A row of at most kRmsNormRowVectorsPerThread vectors per
+// thread stays in registers between the sum of squares and the
+// normalisation; longer rows, and rows that are not whole vectors, are
+// re-read from residual_out (any H works).
 constexpr int kRmsNormRowVectorsPerThread = 4;
 RC_HD int64_t rmsnorm_vector_elems(int64_t elt) { return 16 / elt; }
 RC_HD int64_t rmsnorm_register_row_elems(int64_t elt) {
@@ -421,34 +288,6 @@ RC_HD void rmsnorm_piece(int64_t n, int b, int blocks, int64_t* r0, int64_t* r1)
   const int64_t per = ceil_div(n, blocks);
   *r0 = per * b < n ? per * b : n;
   *r1 = per * (b + 1) < n ? per * (b + 1) : n;
-}
-
-// The norm's arithmetic, shared by every transport: the sum of squares comes
-// in fp64 and the mean is rounded once to fp32, so it differs from the exact
-// mean by that rounding alone (torch's fp32 mean is a few ulps off for long
-// rows); then 1 / sqrt(mean + eps) with IEEE division and square root, the
-// value torch's rsqrt gives on the CPU.
-RC_HD float rmsnorm_inv_rms(double sum_squares, int64_t hidden, float eps) {
-  const float mean = float(sum_squares / double(hidden));
-#if defined(__HIP__)
-  return 1.0f / __builtin_sqrtf(mean + eps);
-#else
-  return 1.0f / sqrtf(mean + eps);
-#endif
-}
-
-// --------------------------------------------------------------- routing
-
-// Rank that owns global expert `e`, or -1 when the id is dropped. Rank r
-// owns experts [r * epr, (r + 1) * epr), so the owner is the number of those
-// run starts above 0 that e reaches: world - 1 compares and no division (on
-// the GPU a division by a run-time value is a long instruction sequence, and
-// every dispatch sender block runs this for each of its T * K ids).
-RC_HD int expert_owner(int64_t e, int64_t num_experts, int64_t experts_per_rank, int world) {
-  if (e < 0 || e >= num_experts) return -1;
-  int owner = 0;
-  for (int r = 1; r < world; ++r) owner += e >= r * experts_per_rank;
-  return owner;
 }
 
 }  // namespace rdna4_comm
