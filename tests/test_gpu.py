@@ -88,24 +88,35 @@ def test_graph_replays_with_inputs_changed_in_place_and_eager_calls_between(worl
     assert sum(1 for k, *_ in per_rank[0] if k == "replay") == replays
 
 
+def replayed(ctx, step, inputs, collect):
+    """step() captured in a CUDA graph (after one eager call), then replayed
+    on replay inputs 7, 8 and 9, each copied into `inputs` (x, topk_idx,
+    topk_weights, the tensors step reads): collect(step's result) after each."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = step()
+    outs = []
+    for i in (7, 8, 9):
+        for static, new in zip(inputs, replay_inputs(ctx.rank, ctx.world, i)[:3]):
+            static.copy_(new)
+        graph.replay()
+        outs.append(collect(result))
+    ctx.sync()
+    return outs
+
+
 def t_dispatched_in_graph(ctx):
     """Every Dispatched field, captured: the whole contract holds under replay."""
     comm = ctx.comm(**graph_cfg(ctx.world))
     x, idx, w, _ = (t.to(ctx.device) for t in replay_inputs(ctx.rank, ctx.world, 7))
-    comm.dispatch(x, idx, w)
-    graph = torch.cuda.CUDAGraph()
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        d = comm.dispatch(x, idx, w)
-    outs = []
-    for i in (7, 8, 9):
-        for static, new in zip((x, idx, w), replay_inputs(ctx.rank, ctx.world, i)[:3]):
-            static.copy_(new)
-        graph.replay()
-        outs.append(type(d)(*(t.clone() if isinstance(t, torch.Tensor) else t for t in d[:4]),
-                            type(d.handle)(*(t.clone() if isinstance(t, torch.Tensor) else t for t in d.handle))))
-    ctx.sync()
-    return outs
+
+    def fields(d):
+        return type(d)(*(t.clone() if isinstance(t, torch.Tensor) else t for t in d[:4]),
+                       type(d.handle)(*(t.clone() if isinstance(t, torch.Tensor) else t for t in d.handle)))
+
+    return replayed(ctx, lambda: comm.dispatch(x, idx, w), (x, idx, w), fields)
 
 
 def test_every_dispatch_field_under_replay(worlds):
@@ -132,21 +143,13 @@ def t_fp8_dispatch_in_graph(ctx):
     def step():
         return comm.dispatch(x, idx, w), comm.dispatch(rc.quantize_fp8(x), idx, w, layout="expert")
 
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        d, e = step()
-    outs = []
-    for i in (7, 8, 9):
-        for static, new in zip((x, idx, w), replay_inputs(ctx.rank, ctx.world, i)[:3]):
-            static.copy_(new)
-        graph.replay()
+    def received_bytes(result):
+        d, e = result
         n, m = int(d.counts.sum()), int(e.expert_offsets[-1])
-        outs.append((d.x.view(torch.uint8)[:n].clone(), d.x_scales[:n].clone(),
-                     e.x.view(torch.uint8)[:m].clone(), e.x_scales[:m].clone()))
-    ctx.sync()
-    return outs
+        return (d.x.view(torch.uint8)[:n].clone(), d.x_scales[:n].clone(),
+                e.x.view(torch.uint8)[:m].clone(), e.x_scales[:m].clone())
+
+    return replayed(ctx, step, (x, idx, w), received_bytes)
 
 
 def test_fp8_dispatch_under_replay(worlds):
