@@ -98,3 +98,30 @@ def test_transport_records():
     assert not TRANSPORT_RECORDS["cpu"].device_tensors and not TRANSPORT_RECORDS["cpu"].graph_capture
     with pytest.raises(ValueError, match=r"no transport named 'nvlink' \(there are 'cpu', 'dist', 'gpu'\)"):
         _C.allreduce_slot_bytes("nvlink", 0)
+
+
+def test_the_docs_table_of_transports_is_their_records():
+    """docs/transports.md, "What each transport can do", row by row."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "transports.md").read_text()
+    names = sorted(TRANSPORT_RECORDS)
+
+    def shown(attr, name):
+        v = getattr(TRANSPORT_RECORDS[name], attr)
+        if attr == "built":
+            return "GPU builds" if name == "gpu" else "yes"
+        if isinstance(v, bool):
+            return "yes" if v else "no"
+        if attr == "max_tokens_per_rank" and v > 1 << 40:
+            return "no limit"
+        if attr.endswith("_bytes"):
+            return f"{v >> 20} MiB" if v >= 1 << 20 else f"{v >> 10} KiB"
+        return str(v)
+
+    rows = re.findall(r"^\| [^|]* \(`(\w+)`\) \| (.*) \|$", text, re.M)
+    assert {attr for attr, _ in rows} == {a for a in dir(_C.Transport) if not a.startswith("_")} - {"name"}
+    for attr, cells in rows:
+        assert [c.strip() for c in cells.split("|")] == [shown(attr, n) for n in names], attr
+
