@@ -28,6 +28,33 @@ RC_HD float fp8_amax(float acc, float v) {
   return (a > acc || a != a) && acc == acc ? a : acc;
 }
 
+// The rule's FP8 byte of x / scale without a division per channel: with
+// inverse = 1 / scale (once per block, Fp8Divisor), q0 = |x| * inverse and
+// one correction by the remainder |x| - q0 * scale, which an FMA computes
+// exactly, give the correctly rounded |x| / scale (Markstein's correction
+// step) wherever the remainder does not underflow, which covers every
+// quotient FP8 can tell from 0. x's sign goes on last, so -0 stays -0. An
+// infinite scale (an infinite amax) takes FLT_MAX in the remainder, where
+// inf * 0 would make a NaN of x / inf = 0. The bytes equal those of the
+// IEEE quotient wherever the rule divides (|x| <= amax), a NaN's sign
+// aside: tests/test_fp8.py checks every bf16 and fp16 x against the scale
+// of every bf16 and fp16 amax, and fp32 x at random and next to every FP8
+// rounding boundary.
+struct Fp8Divisor {
+  float scale;    // finite: FLT_MAX for an infinite scale
+  float inverse;  // 1 / scale (0 for an infinite one)
+};
+RC_HD Fp8Divisor fp8_divisor(float scale) {
+  const float most = 3.40282347e38f;
+  return {scale < most ? scale : most, 1.0f / scale};
+}
+RC_HD float fp8_quotient(float x, const Fp8Divisor& d) {
+  const float mag = bits_float(float_bits(x) & 0x7fffffffu);
+  const float q0 = mag * d.inverse;
+  const float q = fma_rn(fma_rn(-q0, d.scale, mag), d.inverse, q0);
+  return bits_float(float_bits(q) | (float_bits(x) & 0x80000000u));
+}
+
 // float -> float8_e4m3fn bits, round to nearest even. NaN -> 0x7f with the
 // sign; magnitudes that round past 448 (never a quotient of the rule: |x /
 // scale| <= 448 up to one rounding) saturate at 448, as torch 2.13 does.

@@ -5,7 +5,7 @@
 // includes it. The shared headers are plain C++ (no torch, no CUDA runtime),
 // so the CPU transport, the host side of the GPU transport and the device
 // kernels all read one definition. Also the bit casts, the alignment test
-// and the rounding that shared code needs.
+// the rounding and the fused multiply-add that shared code needs.
 #pragma once
 
 #include <cstddef>
@@ -29,6 +29,11 @@ RC_HD float bits_float(uint32_t u) {
   __builtin_memcpy(&f, &u, sizeof(f));
   return f;
 }
+
+// a * b + c rounded once. The builtin: GCC, nvcc and clang lower it to
+// their FMA instruction (a host without one calls the C library's fmaf,
+// which rounds once as well), and device code has no library fmaf on HIP.
+RC_HD float fma_rn(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 
 // p on a 16-byte boundary: where the GPU kernels' row loops can use their
 // widest vectors (with rows that are whole 16-byte vectors).

@@ -138,6 +138,33 @@ def test_the_device_conversion_is_fp8h_on_every_pattern(testing_extension):
     assert count == 0, f"{count} fp32 patterns convert otherwise than fp8.h, the lowest 0x{lowest:08x}"
 
 
+def test_the_division_free_quotient_gives_the_ieee_quotients_bytes(tmp_path):
+    """fp8.h's fp8_quotient (a reciprocal per block and an FMA correction,
+    what the CPU transport and the kernels run) gives the FP8 byte of the
+    IEEE quotient x / scale wherever the rule divides: every bf16 and fp16 x
+    against the scale of every bf16 and fp16 amax (about 2^30 pairs each),
+    fp32 x at random and next to every FP8 rounding boundary."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    root = Path(__file__).resolve().parents[1]
+    fma = ["-mfma"] if " fma " in Path("/proc/cpuinfo").read_text() else []  # else the C library's fmaf: slower
+    exe = tmp_path / "fp8_quotient_check"
+    subprocess.run([cxx, "-std=c++17", "-O2", *fma, f"-I{root / 'csrc'}", "-o", str(exe),
+                    str(root / "tests" / "fp8_quotient_check.cpp"), "-lpthread"], check=True)
+    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    lines = {line.split()[0]: line.split()[1:] for line in res.stdout.splitlines()}
+    assert set(lines) == {"bf16", "fp16", "fp32"}, res.stdout + res.stderr
+    for case, (pairs, mismatches, x, amax, _) in lines.items():
+        assert int(pairs) > (1 << 29 if case != "fp32" else 1 << 24), (case, pairs)
+        assert int(mismatches) == 0, f"{case}: {mismatches} pairs give another byte, the first x = {x}, amax = {amax}"
+    assert res.returncode == 0
+
+
 @SETTINGS
 @given(case=rows())
 def test_the_transports_rows_are_the_rule(case):

@@ -24,8 +24,9 @@ inline void quantize_fp8_row(at::ScalarType st, const char* x, int64_t H, char* 
       float amax = 0.f;
       for (int64_t i = b0; i < b1; ++i) amax = fp8_amax(amax, float(row[i]));
       const float scale = fp8_scale(amax);
+      const Fp8Divisor divisor = fp8_divisor(scale);
       scales[blk] = scale;
-      for (int64_t i = b0; i < b1; ++i) q[i] = char(fp8_e4m3fn_bits(float(row[i]) / scale));
+      for (int64_t i = b0; i < b1; ++i) q[i] = char(fp8_e4m3fn_bits(fp8_quotient(float(row[i]), divisor)));
     }
   });
 }

@@ -101,9 +101,10 @@ RC_DEVICE void quantize_fp8_row(const void* x, DType t, int64_t hidden, bool vec
     for (int u = 0; u < kFp8Unroll; ++u) {
       if (l[u].count == 0) continue;
       const float scale = fp8_scale(amax[u]);
+      const Fp8Divisor divisor = fp8_divisor(scale);
       float quot[kFp8LaneChannels];
 #pragma unroll
-      for (int i = 0; i < kFp8LaneChannels; ++i) quot[i] = val[u][i] / scale;
+      for (int i = 0; i < kFp8LaneChannels; ++i) quot[i] = fp8_quotient(val[u][i], divisor);
       const uint32_t q = fp8x4_bits(quot);
       for (uint32_t m = mask; m != 0; m &= m - 1) {
         const int d = lowest_bit(m);
