@@ -3,7 +3,6 @@ which algorithm they take: rdna4_comm.algorithms)."""
 from __future__ import annotations
 
 import itertools
-import operator
 import os
 import warnings
 import weakref
@@ -442,10 +441,15 @@ class Communicator(EpMethods):
             raise RuntimeError(f"Communicator {self.id!r} is closed")
 
 
+def _config_property(name: str, doc: str) -> property:
+    """The read-only property of CommConfig field `name`: a plain function,
+    which torch.compile traces (an operator.attrgetter it does not)."""
+    return property(lambda self: getattr(self._config, name), doc=doc)
+
+
 for _field in _C.CommConfig.fields:
     if _field["doc"]:
-        setattr(Communicator, _field["argument"],
-                property(operator.attrgetter(f"_config.{_field['name']}"), doc=_field["doc"]))
+        setattr(Communicator, _field["argument"], _config_property(_field["name"], _field["doc"]))
 
 
 def _release(comm_id: str, dist_group: Optional[dist.ProcessGroup]) -> None:
