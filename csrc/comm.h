@@ -157,32 +157,63 @@ struct OutputSpec {
   }
 };
 
+// What the shape rules of the EP outputs read: a communicator's sizes and
+// the dtypes of the call's routing.
+struct OutputShapes {
+  int64_t rows;         // W*cap: the rank layout's received rows
+  int64_t expert_rows;  // the expert layout's (CommConfig::expert_rows)
+  int64_t world, hidden, topk, local_experts, scales;  // scales: fp8_num_scales(hidden) for FP8, else 0
+  at::ScalarType payload;  // dispatch's x: FP8 or the communicator's dtype
+  at::ScalarType ids;      // topk_idx's
+  c10::optional<at::ScalarType> weights;  // topk_weights', none without them
+};
+
+// The shapes of the handle's outputs, which both layouts return.
+inline OutputSpec per_source_rank(const OutputShapes& s) { return {{s.world, 0}, 1, at::kInt}; }
+inline OutputSpec per_received_row(const OutputShapes& s) { return {{s.rows, 0}, 1, at::kInt}; }
+inline OutputSpec per_token(const OutputShapes&) { return {{kTokenDim, 0}, 1, at::kInt}; }
+inline OutputSpec one_round(const OutputShapes&) { return {{1, 0}, 1, at::kLong}; }
+
+// An output of an EP op: its name, its field in the op's result struct,
+// and the rule for its shape and dtype.
+template <typename Result, typename T>
+struct OutputDecl {
+  const char* name;
+  T Result::*field;
+  OutputSpec (*shape)(const OutputShapes&);
+};
+
 // The EP ops' results are structs of named outputs, each a T: at::Tensor
-// for the values, OutputSpec for their shapes. outputs() is the one list of
-// an op's outputs, by name and in the op's order (ops.cpp makes the
-// schemas, the kernels' and eager calls' results and the fakes' specs from
-// it). x_scales, last, is the FP8 ops' alone.
+// for the values, OutputSpec for their shapes. outputs() declares them,
+// by name, in the op's order and with their shape rules: the one list of an
+// op's outputs (ops.cpp makes the schemas, the kernels' and eager calls'
+// results and the fakes' specs from it). x_scales, last, is the FP8 ops'
+// alone.
 template <typename T>
 struct RankLayoutOf {
-  T x;               // [W*cap, H] dtype, or FP8 (an FP8 communicator)
-  T topk_idx;        // [W*cap, K] the ids' dtype (int32 or int64), local expert id or -1
-  T topk_weights;    // [W*cap, K] the weights' dtype (fp32, bf16 or fp16), or [0, K] without weights
-  T counts;          // [W] int32 rows received per source
-  T recv_src;        // [W*cap] int32: source rank * cap + source token, -1 for padding
-  T src_tokens;      // [W] int32: T of each source rank
-  T send_mask;       // [T] int32: bit d set when the token was sent to rank d
-  T dispatch_round;  // [1] int64: this dispatch's round (calls.h), the same on every rank
-  T x_scales;        // FP8: [W*cap, fp8_num_scales(H)] fp32, x's scales; else undefined
-  static constexpr std::array<std::pair<const char*, T RankLayoutOf::*>, 9> outputs() {
-    return {{{"x", &RankLayoutOf::x},
-             {"topk_idx", &RankLayoutOf::topk_idx},
-             {"topk_weights", &RankLayoutOf::topk_weights},
-             {"counts", &RankLayoutOf::counts},
-             {"recv_src", &RankLayoutOf::recv_src},
-             {"src_tokens", &RankLayoutOf::src_tokens},
-             {"send_mask", &RankLayoutOf::send_mask},
-             {"dispatch_round", &RankLayoutOf::dispatch_round},
-             {"x_scales", &RankLayoutOf::x_scales}}};
+  T x, topk_idx, topk_weights, counts, recv_src, src_tokens, send_mask, dispatch_round, x_scales;
+  static constexpr std::array<OutputDecl<RankLayoutOf, T>, 9> outputs() {
+    using S = const OutputShapes&;
+    return {{// [W*cap, H]: the received rows
+             {"x", &RankLayoutOf::x, [](S s) { return OutputSpec{{s.rows, s.hidden}, 2, s.payload}; }},
+             // [W*cap, K]: local expert id or -1
+             {"topk_idx", &RankLayoutOf::topk_idx, [](S s) { return OutputSpec{{s.rows, s.topk}, 2, s.ids}; }},
+             // [W*cap, K], or [0, K] without weights
+             {"topk_weights", &RankLayoutOf::topk_weights,
+              [](S s) { return OutputSpec{{s.weights ? s.rows : 0, s.topk}, 2, s.weights.value_or(at::kFloat)}; }},
+             // [W] int32: rows received per source
+             {"counts", &RankLayoutOf::counts, per_source_rank},
+             // [W*cap] int32: source rank * cap + source token, -1 for padding
+             {"recv_src", &RankLayoutOf::recv_src, per_received_row},
+             // [W] int32: T of each source rank
+             {"src_tokens", &RankLayoutOf::src_tokens, per_source_rank},
+             // [T] int32: bit d set when the token was sent to rank d
+             {"send_mask", &RankLayoutOf::send_mask, per_token},
+             // [1] int64: this dispatch's round (calls.h), the same on every rank
+             {"dispatch_round", &RankLayoutOf::dispatch_round, one_round},
+             // FP8: [W*cap, fp8_num_scales(H)] fp32, x's scales
+             {"x_scales", &RankLayoutOf::x_scales,
+              [](S s) { return OutputSpec{{s.rows, s.scales}, 2, at::kFloat}; }}}};
   }
 };
 
@@ -200,29 +231,36 @@ struct Dispatched : RankLayoutOf<at::Tensor> {
 };
 
 // The expert layout (docs/semantics.md, "Expert layout"): dispatch's rows
-// grouped by local expert, built from the rank layout's.
+// grouped by local expert, built from the rank layout's; the handle's
+// outputs are the rank layout's.
 template <typename T>
 struct ExpertLayoutOf {
-  T x;                // [expert_rows, H] dtype
-  T expert_counts;    // [E_loc] int32
-  T expert_offsets;   // [E_loc + 1] int32, aligned to expert_alignment
-  T topk_weights;     // [expert_rows] the weights' dtype, or [0]
-  T recv_src, counts, src_tokens, send_mask;  // the rank layout's handle
-  T expert_rows_of;   // [W*cap, K] int32: a received row's expert rows, ascending expert, then -1
-  T dispatch_round;   // [1] int64, as the rank layout's
-  T x_scales;         // FP8: [expert_rows, fp8_num_scales(H)] fp32; else undefined
-  static constexpr std::array<std::pair<const char*, T ExpertLayoutOf::*>, 11> outputs() {
-    return {{{"x", &ExpertLayoutOf::x},
-             {"expert_counts", &ExpertLayoutOf::expert_counts},
-             {"expert_offsets", &ExpertLayoutOf::expert_offsets},
-             {"topk_weights", &ExpertLayoutOf::topk_weights},
-             {"recv_src", &ExpertLayoutOf::recv_src},
-             {"counts", &ExpertLayoutOf::counts},
-             {"src_tokens", &ExpertLayoutOf::src_tokens},
-             {"send_mask", &ExpertLayoutOf::send_mask},
-             {"expert_rows_of", &ExpertLayoutOf::expert_rows_of},
-             {"dispatch_round", &ExpertLayoutOf::dispatch_round},
-             {"x_scales", &ExpertLayoutOf::x_scales}}};
+  T x, expert_counts, expert_offsets, topk_weights, recv_src, counts, src_tokens, send_mask, expert_rows_of,
+      dispatch_round, x_scales;
+  static constexpr std::array<OutputDecl<ExpertLayoutOf, T>, 11> outputs() {
+    using S = const OutputShapes&;
+    return {{// [expert_rows, H]: the pairs' rows, by local expert
+             {"x", &ExpertLayoutOf::x, [](S s) { return OutputSpec{{s.expert_rows, s.hidden}, 2, s.payload}; }},
+             // [E_loc] int32
+             {"expert_counts", &ExpertLayoutOf::expert_counts,
+              [](S s) { return OutputSpec{{s.local_experts, 0}, 1, at::kInt}; }},
+             // [E_loc + 1] int32, aligned to expert_alignment
+             {"expert_offsets", &ExpertLayoutOf::expert_offsets,
+              [](S s) { return OutputSpec{{s.local_experts + 1, 0}, 1, at::kInt}; }},
+             // [expert_rows], or [0] without weights
+             {"topk_weights", &ExpertLayoutOf::topk_weights,
+              [](S s) { return OutputSpec{{s.weights ? s.expert_rows : 0, 0}, 1, s.weights.value_or(at::kFloat)}; }},
+             {"recv_src", &ExpertLayoutOf::recv_src, per_received_row},
+             {"counts", &ExpertLayoutOf::counts, per_source_rank},
+             {"src_tokens", &ExpertLayoutOf::src_tokens, per_source_rank},
+             {"send_mask", &ExpertLayoutOf::send_mask, per_token},
+             // [W*cap, K] int32: a received row's expert rows, ascending expert, then -1
+             {"expert_rows_of", &ExpertLayoutOf::expert_rows_of,
+              [](S s) { return OutputSpec{{s.rows, s.topk}, 2, at::kInt}; }},
+             {"dispatch_round", &ExpertLayoutOf::dispatch_round, one_round},
+             // FP8: [expert_rows, fp8_num_scales(H)] fp32
+             {"x_scales", &ExpertLayoutOf::x_scales,
+              [](S s) { return OutputSpec{{s.expert_rows, s.scales}, 2, at::kFloat}; }}}};
   }
 };
 using ExpertDispatched = ExpertLayoutOf<at::Tensor>;
@@ -233,7 +271,15 @@ template <template <typename> class Result, typename F>
 void for_each_output(bool fp8, F&& f) {
   constexpr auto tensors = Result<at::Tensor>::outputs();
   constexpr auto specs = Result<OutputSpec>::outputs();
-  for (size_t i = 0; i < tensors.size() - (fp8 ? 0 : 1); ++i) f(tensors[i].first, tensors[i].second, specs[i].second);
+  for (size_t i = 0; i < tensors.size() - (fp8 ? 0 : 1); ++i) f(tensors[i].name, tensors[i].field, specs[i].field);
+}
+
+// Every output's spec of a Result, by its shape rule.
+template <template <typename> class Result>
+Result<OutputSpec> output_specs(const OutputShapes& shapes) {
+  Result<OutputSpec> specs;
+  for (const auto& o : Result<OutputSpec>::outputs()) specs.*(o.field) = o.shape(shapes);
+  return specs;
 }
 
 // One chunk of all_reduce_rmsnorm: `rows` whole rows of `hidden` elements,
@@ -287,9 +333,14 @@ class Comm {
   virtual void watch_peers(const std::vector<PeerProcess>& peers);
 
   // The EP ops' output shapes (x_scales: an FP8 communicator's only).
+  OutputShapes output_shapes(at::ScalarType idx_dtype, c10::optional<at::ScalarType> weights_dtype) const;
   RankLayoutOf<OutputSpec> dispatch_outputs(at::ScalarType idx_dtype,
-                                            c10::optional<at::ScalarType> weights_dtype) const;
-  ExpertLayoutOf<OutputSpec> dispatch_expert_outputs(c10::optional<at::ScalarType> weights_dtype) const;
+                                            c10::optional<at::ScalarType> weights_dtype) const {
+    return output_specs<RankLayoutOf>(output_shapes(idx_dtype, weights_dtype));
+  }
+  ExpertLayoutOf<OutputSpec> dispatch_expert_outputs(c10::optional<at::ScalarType> weights_dtype) const {
+    return output_specs<ExpertLayoutOf>(output_shapes(at::kInt, weights_dtype));
+  }
   OutputSpec combine_output() const;
   // A fresh output of `spec` for `ntok` tokens (empty()). Each output is an
   // allocation of its own: outputs of one op that share a storage (disjoint

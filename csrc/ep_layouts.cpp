@@ -46,38 +46,9 @@ int64_t received_rows(const at::Tensor& counts) {
 
 }  // namespace
 
-RankLayoutOf<OutputSpec> Comm::dispatch_outputs(at::ScalarType idx_dtype,
-                                                c10::optional<at::ScalarType> weights_dtype) const {
-  const int64_t rows = int64_t(cfg_.world) * cfg_.cap, K = cfg_.topk;
-  RankLayoutOf<OutputSpec> s;
-  s.x = {{rows, cfg_.hidden}, 2, cfg_.dispatched_dtype()};
-  s.topk_idx = {{rows, K}, 2, idx_dtype};
-  s.topk_weights = {{weights_dtype ? rows : 0, K}, 2, weights_dtype.value_or(at::kFloat)};
-  s.counts = {{cfg_.world, 0}, 1, at::kInt};
-  s.recv_src = {{rows, 0}, 1, at::kInt};
-  s.src_tokens = {{cfg_.world, 0}, 1, at::kInt};
-  s.send_mask = {{kTokenDim, 0}, 1, at::kInt};
-  s.dispatch_round = {{1, 0}, 1, at::kLong};
-  s.x_scales = {{rows, cfg_.fp8_scales}, 2, at::kFloat};
-  return s;
-}
-
-ExpertLayoutOf<OutputSpec> Comm::dispatch_expert_outputs(c10::optional<at::ScalarType> weights_dtype) const {
-  const int64_t E = cfg_.experts_per_rank(), n = cfg_.expert_rows();
-  const RankLayoutOf<OutputSpec> rank = dispatch_outputs(at::kInt, weights_dtype);
-  ExpertLayoutOf<OutputSpec> s;
-  s.x = {{n, cfg_.hidden}, 2, cfg_.dispatched_dtype()};
-  s.expert_counts = {{E, 0}, 1, at::kInt};
-  s.expert_offsets = {{E + 1, 0}, 1, at::kInt};
-  s.topk_weights = {{weights_dtype ? n : 0, 0}, 1, weights_dtype.value_or(at::kFloat)};
-  s.recv_src = rank.recv_src;
-  s.counts = rank.counts;
-  s.src_tokens = rank.src_tokens;
-  s.send_mask = rank.send_mask;
-  s.expert_rows_of = {{rank.recv_src.shape[0], cfg_.topk}, 2, at::kInt};
-  s.dispatch_round = rank.dispatch_round;
-  s.x_scales = {{n, cfg_.fp8_scales}, 2, at::kFloat};
-  return s;
+OutputShapes Comm::output_shapes(at::ScalarType idx_dtype, c10::optional<at::ScalarType> weights_dtype) const {
+  return {int64_t(cfg_.world) * cfg_.cap, cfg_.expert_rows(), cfg_.world, cfg_.hidden, cfg_.topk,
+          cfg_.experts_per_rank(), cfg_.fp8_scales, cfg_.dispatched_dtype(), idx_dtype, weights_dtype};
 }
 
 OutputSpec Comm::combine_output() const { return {{kTokenDim, cfg_.hidden}, 2, cfg_.dtype}; }
