@@ -88,9 +88,11 @@ RC_HD bool dispatch_routing_warp(int64_t batch_rows, int64_t topk) { return batc
 // W > 2 beyond a few pages.
 constexpr int64_t kCpuOneShotMaxBytes = int64_t(64) << 10;
 constexpr int64_t kGpuOneShotMaxBytes = int64_t(512) << 10;
+// The largest all_reduce that takes one-shot beyond 2 ranks.
+RC_HD int64_t allreduce_one_shot_max_bytes(bool gpu) { return gpu ? kGpuOneShotMaxBytes : kCpuOneShotMaxBytes; }
 RC_HD bool allreduce_use_one_shot(int64_t nbytes, int world, bool gpu) {
   if (world <= 2) return true;  // same link bytes either way; one barrier fewer
-  return nbytes <= (gpu ? kGpuOneShotMaxBytes : kCpuOneShotMaxBytes);
+  return nbytes <= allreduce_one_shot_max_bytes(gpu);
 }
 
 // Elements per all_reduce chunk, larger tensors being processed chunk by

@@ -25,11 +25,10 @@ bool register_transport(const Transport& t) {
 }
 
 const Transport& find_transport(const std::string& name) {
+  for (const Transport& t : registry())
+    if (name == t.name) return t;
   std::ostringstream known;
-  for (const Transport* t : transports()) {
-    if (name == t->name) return *t;
-    known << (known.tellp() > 0 ? ", " : "") << "'" << t->name << "'";
-  }
+  for (const Transport* t : transports()) known << (known.tellp() > 0 ? ", " : "") << "'" << t->name << "'";
   TORCH_CHECK_VALUE(false, "rdna4_comm: no transport named '", name, "' (there are ", known.str(), ")");
 }
 
@@ -41,8 +40,6 @@ std::vector<const Transport*> transports() {
   return out;
 }
 
-int64_t one_shot_max_bytes(const Transport& t) {
-  return t.device_kernels ? kGpuOneShotMaxBytes : kCpuOneShotMaxBytes;
-}
+int64_t one_shot_max_bytes(const Transport& t) { return allreduce_one_shot_max_bytes(t.device_kernels); }
 
 }  // namespace rdna4_comm

@@ -155,7 +155,7 @@ class Communicator(EpMethods):
     ):
         # Every argument as given, before validation: the ranks must agree on
         # some (the heap's shape, the collectives each op runs; _agree).
-        arguments = {name: value for name, value in locals().items() if name not in ("self", "group", "__class__")}
+        arguments = dict(locals())
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "Communicator: torch.distributed is not initialised; call "
