@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from . import reference
+from .results import ExpertDispatched
 
 # fp32 all_reduce inputs: 16-bit values, sums over 32 ranks stay within 24 bits.
 ALLREDUCE_BITS = 16
@@ -91,6 +92,25 @@ def assert_dispatched(actual, expected, what: str = "", cols: Optional[int] = No
     else:
         assert_same(actual.topk_weights, expected.topk_weights, f"{what} topk_weights")
     for field in HANDLE_FIELDS:
+        assert_same(getattr(actual.handle, field), getattr(expected.handle, field), f"{what} handle.{field}")
+
+
+def assert_expert_dispatched(actual, expected, what: str = "") -> None:
+    """Every field of an ExpertDispatched and of its handle bitwise equal to
+    the expected one (rdna4_comm.reference.dispatch with layout="expert"):
+    x and the weights on the rows below expert_offsets[-1] (the rows past it
+    are unspecified), the expert counts and offsets whole."""
+    assert isinstance(actual, ExpertDispatched), f"{what}: {type(actual).__name__}, not an ExpertDispatched"
+    assert_same(actual.expert_counts, expected.expert_counts, f"{what} expert_counts")
+    assert_same(actual.expert_offsets, expected.expert_offsets, f"{what} expert_offsets")
+    assert actual.x.shape == expected.x.shape, f"{what} x: shape {tuple(actual.x.shape)} != {tuple(expected.x.shape)}"
+    n = min(int(expected.expert_offsets[-1]), expected.x.shape[0])
+    assert_same(actual.x[:n], expected.x[:n], f"{what} x")
+    if expected.topk_weights is None:
+        assert actual.topk_weights is None, f"{what}: weights returned without weights given"
+    else:
+        assert_same(actual.topk_weights[:n], expected.topk_weights[:n], f"{what} topk_weights")
+    for field in HANDLE_FIELDS + ("expert_rows_of",):
         assert_same(getattr(actual.handle, field), getattr(expected.handle, field), f"{what} handle.{field}")
 
 

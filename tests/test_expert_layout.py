@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import rdna4_comm as rc
 from rdna4_comm import reference
+from rdna4_comm._checks import assert_expert_dispatched
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 SETTINGS = settings(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, max_examples=examples(60))
@@ -48,23 +49,6 @@ def expected(W, cfg, seed, Ts, kind, weights, salt=0):
                              max_tokens_per_rank=cfg["max_tokens_per_rank"], layout="expert",
                              expert_alignment=cfg["expert_alignment"], max_expert_rows=cfg["max_expert_rows"])
     return ref, reference.combine([expert_fn(ref[r].x, r, salt) for r in range(W)], ref)
-
-
-def assert_expert_dispatched(d, ref, what):
-    """Every field bitwise, x and the weights on the rows below expert_offsets[-1]
-    (the rows past it are unspecified)."""
-    assert isinstance(d, rc.ExpertDispatched), type(d)
-    assert_bitwise(d.expert_counts, ref.expert_counts, f"{what} expert_counts")
-    assert_bitwise(d.expert_offsets, ref.expert_offsets, f"{what} expert_offsets")
-    assert d.x.shape == ref.x.shape, (what, d.x.shape, ref.x.shape)
-    n = min(int(ref.expert_offsets[-1]), ref.x.shape[0])
-    assert_bitwise(d.x[:n], ref.x[:n], f"{what} x")
-    if ref.topk_weights is None:
-        assert d.topk_weights is None, what
-    else:
-        assert_bitwise(d.topk_weights[:n], ref.topk_weights[:n], f"{what} topk_weights")
-    for field in ("recv_src", "counts", "src_tokens", "send_mask", "expert_rows_of"):
-        assert_bitwise(getattr(d.handle, field), getattr(ref.handle, field), f"{what} handle.{field}")
 
 
 def check(world, cfg, seed, Ts, kind, weights, offset=0):

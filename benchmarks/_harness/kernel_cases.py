@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from rdna4_comm import reference
 from rdna4_comm._bench.cases import EP_BITS, EP_EXPERTS, EP_TOPK, ep_routing
-from rdna4_comm._checks import assert_dispatched, assert_same, pattern
+from rdna4_comm._checks import assert_dispatched, assert_expert_dispatched, assert_same, pattern
 from rdna4_comm._launch import free_port
 from rdna4_comm._ranks import RankContext
 from rdna4_comm.communicator import Communicator
@@ -44,10 +44,10 @@ def one_rank(device: str) -> RankContext:
 class Shapes:
     """(T, H) of the rows; capacity = T unless a row says otherwise."""
 
-    large: tuple  # rows 1-2; its communicator (cap = T) is row 5's large capacity
+    large: tuple  # rows 1-2, 8-9 and 12-13; its communicator (cap = T) is rows 5 and 11's large capacity
     small: tuple  # row 3
     medium: tuple  # row 4
-    decode: tuple  # row 5 (cap = large T against cap = T) and rows 6-7 (cap = T); H = large H
+    decode: tuple  # rows 5 and 11 (cap = large T against cap = T), 6-7 and 10 (cap = T); H = large H
 
 
 GPU_SHAPES = Shapes(large=(4096, 7168), small=(8, 4096), medium=(128, 7168), decode=(8, 7168))
@@ -75,25 +75,30 @@ def ep_inputs(tokens: int, hidden: int, device) -> tuple:
     return x, idx.to(torch.int64).to(device), w.to(DTYPE).to(device)
 
 
-def check_dispatched(d, x, idx, w, cap: int, what: str, fp8: bool = False):
+def check_dispatched(d, x, idx, w, cap: int, what: str, fp8: bool = False, layout: str = "rank"):
     """Raise unless ``d`` (a Dispatched) is what rdna4_comm.reference.dispatch
     gives for this one rank (rdna4_comm._checks.assert_dispatched:
     counts; rows [0, counts.sum()) of x [cap, H] bf16, the rows after them
     being padding, unspecified; topk_idx [cap, 8] int64 with -1 padding and
     topk_weights [cap, 8] bf16 with 0 padding, whole; every handle field).
     With ``fp8``, x is the FP8 rows of rdna4_comm.quantize_fp8 and their
-    scales. Returns the reference's Dispatched."""
+    scales. ``layout="expert"``: ``d`` is an ExpertDispatched, x [8 * cap, H]
+    bf16 (a row per (token, expert) pair, grouped by expert), checked by
+    assert_expert_dispatched. Returns the reference's result."""
     ref = reference.dispatch([x.cpu()], [idx.cpu()], [w.cpu()], num_experts=EP_EXPERTS, max_tokens_per_rank=cap,
-                             dispatch_dtype=FP8_DTYPE if fp8 else None)[0]
-    assert_dispatched(d, ref, f"{what}:")
+                             dispatch_dtype=FP8_DTYPE if fp8 else None, layout=layout)[0]
+    (assert_expert_dispatched if layout == "expert" else assert_dispatched)(d, ref, f"{what}:")
     return ref
 
 
 def check_combined(out, y, ref, x, what: str) -> None:
     """Raise unless ``out`` = reference.combine of ``y`` under the reference
-    handle ``ref``, and (W = 1: each token comes back once) equals ``x``."""
+    handle ``ref``, and (W = 1: each token comes back once from each of its
+    rows) equals x times the rows a token has: 1 in the rank layout, its 8
+    distinct experts' in the expert layout (exact: a power of two)."""
     assert_same(out, reference.combine([y.cpu()], [ref])[0], f"{what}: combine vs rdna4_comm.reference")
-    assert_same(out, x, f"{what}: combine(dispatch(x).x) == x")
+    rows = EP_TOPK if hasattr(ref, "expert_offsets") else 1
+    assert_same(out, x * rows, f"{what}: combine(dispatch(x).x) == {rows} x")
 
 
 class Cases:
@@ -130,6 +135,13 @@ class Cases:
         self._add_round_trip("dc_decode_bigcap", large, td, hd)
         decode = self.comm(td, hd)
         self._add_round_trip("dc_decode", decode, td, hd)
+
+        # Rows 10-13: the expert layout. Decode steps on both capacities
+        # (against the rank layout's steps above), and dispatch and combine of
+        # the large T against the bytes they write and read.
+        self._add_round_trip("dc_expert_decode", decode, td, hd, layout="expert")
+        self._add_round_trip("dc_expert_decode_bigcap", large, td, hd, layout="expert")
+        self._add_expert_dispatch_and_combine(large, tl, hl)
 
         # Rows 6-7: eager host time on the decode communicator, and an add.
         self._add_dispatch_and_combine("_host", " (host time)", decode, td, hd)
@@ -195,21 +207,52 @@ class Cases:
                   f"comm.combine(y [{tokens}, {hidden}] bf16, handle) -> [{tokens}, {hidden}] bf16, cap {tokens}")
         return x
 
-    def _add_round_trip(self, key: str, comm: Communicator, tokens: int, hidden: int) -> None:
+    def _add_round_trip(self, key: str, comm: Communicator, tokens: int, hidden: int, layout: str = "rank") -> None:
         x, idx, w = ep_inputs(tokens, hidden, self.rank.device)
         cap = comm.max_tokens_per_rank
 
         def run():
-            d = comm.dispatch(x, idx, w)
+            d = comm.dispatch(x, idx, w, layout=layout)
             return d, comm.combine(d.x, d.handle)
 
         def check(result):
             d, out = result
-            ref = check_dispatched(d, x, idx, w, cap, f"{key} dispatch")
+            ref = check_dispatched(d, x, idx, w, cap, f"{key} dispatch", layout=layout)
             check_combined(out, d.x, ref, x, f"{key} combine")
 
-        self._add(key, run, check, f"d = comm.dispatch(x [{tokens}, {hidden}] bf16, topk_idx int64, topk_weights bf16); "
-                                   f"comm.combine(d.x, d.handle); cap {cap}")
+        arg = "" if layout == "rank" else f", layout={layout!r}"
+        self._add(key, run, check, f"d = comm.dispatch(x [{tokens}, {hidden}] bf16, topk_idx int64, topk_weights bf16"
+                                   f"{arg}); comm.combine(d.x, d.handle); cap {cap}")
+
+    def _add_expert_dispatch_and_combine(self, comm: Communicator, tokens: int, hidden: int) -> None:
+        """Ops "expert_dispatch" (x [T, H] bf16 with its routing, layout
+        "expert", T = the communicator's capacity: 8 T pair rows),
+        "copy_pairs" (copy_ of [8 T, H] bf16: the pair rows it writes),
+        "expert_combine" (y = a checked expert dispatch's x, its handle) and
+        "read_pairs" (those 8 T rows summed per token by torch: each read
+        once, T rows written)."""
+        x, idx, w = ep_inputs(tokens, hidden, self.rank.device)
+        shapes = f"topk_idx [{tokens}, 8] int64, topk_weights [{tokens}, 8] bf16, layout='expert'), cap {tokens}"
+        self._add("expert_dispatch", lambda: comm.dispatch(x, idx, w, layout="expert"),
+                  lambda d: check_dispatched(d, x, idx, w, tokens, "expert dispatch", layout="expert"),
+                  f"comm.dispatch(x [{tokens}, {hidden}] bf16, {shapes}")
+        d = comm.dispatch(x, idx, w, layout="expert")
+        ref = check_dispatched(d, x, idx, w, tokens, "expert dispatch for combine's input", layout="expert")
+        y, handle = d.x, d.handle
+        self._add("expert_combine", lambda: comm.combine(y, handle),
+                  lambda out: check_combined(out, y, ref, x, "expert combine"),
+                  f"comm.combine(y [{y.shape[0]}, {hidden}] bf16 (expert layout), handle) -> [{tokens}, {hidden}] bf16")
+        pairs = y[: tokens * EP_TOPK]
+        dst = torch.empty_like(pairs)
+        self._add("copy_pairs", lambda: dst.copy_(pairs), lambda out: assert_same(out, pairs, "copy_ of the pair rows"),
+                  f"dst.copy_(src), [{tokens * EP_TOPK}, {hidden}] bf16 ({tokens * EP_TOPK * hidden * 2} bytes: the "
+                  "pair rows the expert dispatch writes at W = 1)")
+        by_token = pairs.view(tokens, EP_TOPK, hidden)
+        expected = (by_token.float().sum(1)).to(DTYPE).cpu()
+        self._add("read_pairs", lambda: torch.sum(by_token, 1),
+                  lambda out: assert_same(out, expected, "torch.sum of the pair rows"),
+                  f"torch.sum(y.view({tokens}, 8, {hidden}), 1) of [{tokens * EP_TOPK}, {hidden}] bf16 pair rows: each "
+                  f"read once, [{tokens}, {hidden}] written (what the expert combine reads and writes at W = 1)")
 
     def check_all(self, keys) -> None:
         """Run and check every op of ``keys`` once (eager)."""
