@@ -67,14 +67,19 @@ void bind_config(py::module_& m) {
   py::class_<CommConfig> cls(m, "CommConfig", "What a communicator is made of");
   cls.def(py::init([](const py::kwargs& kwargs) {
     CommConfig c;
-    size_t used = 0;
     CommConfig::each_field([&](const ConfigField& f, auto member) {
       using T = std::remove_reference_t<decltype(c.*member)>;
       TORCH_CHECK_TYPE(kwargs.contains(f.name), "CommConfig: missing keyword ", f.name);
       c.*member = from_python<T>(kwargs[f.name]);
-      ++used;
     });
-    TORCH_CHECK_TYPE(used == kwargs.size(), "CommConfig: unknown keywords among ", py::str(kwargs).cast<std::string>());
+    std::string unknown;
+    for (const auto& item : kwargs) {
+      const std::string key = py::cast<std::string>(item.first);
+      bool known = false;
+      CommConfig::each_field([&](const ConfigField& f, auto) { known = known || key == f.name; });
+      if (!known) unknown += (unknown.empty() ? "" : ", ") + key;
+    }
+    TORCH_CHECK_TYPE(unknown.empty(), "CommConfig: unknown keywords: ", unknown);
     return c;
   }));
   py::list fields;
@@ -199,6 +204,9 @@ void bind_policies(py::module_& m) {
   testing.def("expert_place_blocks", &expert_place_blocks, py::arg("rows"), py::arg("experts"), py::arg("alignment"),
               py::arg("sm_count"));
   testing.attr("expert_chunk_rows") = kExpertChunkRows;
+  testing.attr("expert_one_chunk_experts") = kExpertOneChunkExperts;
+  testing.def("expert_places_one_chunk", &expert_places_one_chunk, py::arg("received"), py::arg("experts"));
+  testing.def("expert_tally_launched", &expert_tally_launched, py::arg("rows"), py::arg("experts"));
   // (signal bytes, data bytes) of the heap layout of a configuration.
   testing.def("heap_bytes", [](int world, int64_t cap, int64_t hidden, int64_t topk, int64_t elt, int64_t slot_bytes) {
     HeapConfig c;
