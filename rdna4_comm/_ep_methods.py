@@ -21,7 +21,7 @@ LAYOUTS = ("rank", "expert")
 _READ = {"dispatch": ("x", "topk_idx", "topk_weights", "counts", "recv_src", "src_tokens", "send_mask",
                       "dispatch_round"),
          "dispatch_expert": ("x", "expert_counts", "expert_offsets", "topk_weights", "recv_src", "counts", "src_tokens",
-                             "send_mask", "dispatch_round", "expert_rows_of")}
+                             "send_mask", "expert_rows_of", "dispatch_round")}
 _PICK = {**{op: output_getter(op, *names) for op, names in _READ.items()},
          **{op + "_fp8": output_getter(op + "_fp8", *names, "x_scales") for op, names in _READ.items()}}
 
@@ -78,7 +78,7 @@ class EpMethods:
             out, scales = _PICK[op](op_callable(op)(x, topk_idx, topk_weights, self._order, self.id)), None
         tokens = x.shape[:-1]
         if layout == "expert":
-            rx, ecounts, eoffsets, rw, recv_src, counts, src_tokens, send_mask, dispatch_round, rows_of = out
+            rx, ecounts, eoffsets, rw, recv_src, counts, src_tokens, send_mask, rows_of, dispatch_round = out
             handle = DispatchHandle(recv_src, counts, src_tokens, send_mask, self.id, tokens, rows_of, dispatch_round)
             return ExpertDispatched(rx, ecounts, eoffsets, rw if topk_weights is not None else None, handle, scales)
         rx, ridx, rw, counts, recv_src, src_tokens, send_mask, dispatch_round = out

@@ -55,6 +55,10 @@ def test_output_getter_picks_by_name_and_rejects_unknown_names():
     assert get(tuple(outputs)) == ["send_mask", "x"]
     with pytest.raises(ValueError, match=r"dispatch has no output \['y'\]"):
         output_getter("dispatch", "x", "y")
+    # Every output in the op's own order: the tuple itself, no copy per call.
+    for op, decl in OP_TABLE.items():
+        out = tuple(decl["outputs"])
+        assert output_getter(op, *out)(out) is out
 
 
 def test_config_fields_give_the_keywords_attributes_properties_and_agreement():
