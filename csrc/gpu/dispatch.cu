@@ -169,8 +169,7 @@ template <typename IdxT, int KF, typename V, int kMode>
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(Env env, DispatchArgs a, EpLaunch lp) {
   __shared__ DispatchShared sh;
   prefetch_sender_inputs<IdxT, kMode>(a, env.layout, lp, blockIdx.x);
-  const Round round = begin_round(env, kOpDispatch, a.call);
-  if (blockIdx.x == 0 && threadIdx.x == 0) *a.out_dispatch_round = int64_t(round_number(env));
+  const Round round = begin_round(env, kOpDispatch, a.call, a.out_dispatch_round);
   // The padding's start, known once the headers have arrived: they usually
   // have by now; a late peer keeps the block waiting (bounded like every
   // wait), and after a failed wait it does not pad. The verdicts come from

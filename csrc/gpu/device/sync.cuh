@@ -97,9 +97,13 @@ RC_DEVICE int round_op() {
 // before the launch's first wait on a peer can need it; a peer that reads a
 // flag of this round before the word has landed waits for the word too.
 // Every thread stores the same word into round_word, so each reads its own
-// store back with no barrier.
-RC_DEVICE Round begin_round(const Env& env, int sequence, uint64_t fields) {
+// store back with no barrier. Block 0's thread 0 also stores the round's
+// number into *number_out where one is given (a dispatch's handle). Every
+// counter is loaded before the store: the store's "memory" clobber would
+// hold a later load back by one round trip, on every launch's critical path.
+RC_DEVICE Round begin_round(const Env& env, int sequence, uint64_t fields, int64_t* number_out = nullptr) {
   const Layout& L = env.layout;
+  const Round round{*L.counter(env.sig[env.rank], sequence, blockIdx.x) + 1};
   uint64_t word = 0;
   if (fields != 0) {
     const uint64_t number = round_number(env);
@@ -108,9 +112,10 @@ RC_DEVICE Round begin_round(const Env& env, int sequence, uint64_t fields) {
     // A relaxed store: the word is its whole message, and it orders nothing
     // (a release's system-wide wait would delay block 0 at every launch).
     if (blockIdx.x == 0 && p < env.world) store_relaxed_sys(L.call_slot(env.sig[p], number, env.rank), word);
+    if (number_out && blockIdx.x == 0 && p == 0) *number_out = int64_t(number);
   }
   round_word = word;
-  return Round{*L.counter(env.sig[env.rank], sequence, blockIdx.x) + 1};
+  return round;
 }
 
 // The first thread to fail leaves one word for the host: a timeout
