@@ -212,7 +212,19 @@ RC_HD EpGrid combine_grid(int64_t ntok, int world, int sm_count) {
 // at most kExpertBlocksPerSm blocks per multiprocessor, sized for the most
 // rows (rows = W * cap) and padding rows; the rows received and the padding
 // are known on the device alone, and the blocks with none left return at once.
+//
+// Rows received that fit one chunk (a decode step) take one kernel: each
+// placement block tallies the chunk and computes the offsets itself, in
+// shared memory of kExpertOneChunkExperts words per table, and the tally
+// and offsets kernels return at once; the host launches them only where
+// W * cap rows can fill more than one chunk (expert_tally_launched).
 constexpr int64_t kExpertChunkRows = 32;
+constexpr int64_t kExpertOneChunkExperts = 1024;
+RC_HD bool expert_one_chunk_capable(int64_t experts) { return experts <= kExpertOneChunkExperts; }
+RC_HD bool expert_places_one_chunk(int64_t received, int64_t experts) {
+  return received <= kExpertChunkRows && expert_one_chunk_capable(experts);
+}
+RC_HD bool expert_tally_launched(int64_t rows, int64_t experts) { return !expert_places_one_chunk(rows, experts); }
 constexpr int64_t kExpertBlocksPerSm = 4;
 RC_HD int64_t expert_chunks(int64_t rows) { return ceil_div(rows, kExpertChunkRows); }
 RC_HD int expert_chunk_blocks(int64_t rows, int sm_count) {

@@ -183,6 +183,27 @@ def test_expert_placement_grid_has_a_warp_per_padding_row(sms):
                 _C.testing.expert_row_blocks(rows, sms)
 
 
+def test_expert_placement_of_one_chunk_runs_as_one_kernel():
+    # Rows received that fit one chunk (the 32 lanes of a tally word) are
+    # placed by one kernel, whose blocks keep a word per local expert for
+    # two tables in shared memory; the host launches the tally and offsets
+    # kernels only where W * cap rows can fill more than one chunk.
+    chunk, most = _C.testing.expert_chunk_rows, _C.testing.expert_one_chunk_experts
+    assert most == 1024
+    for experts in (1, 8, 256, most, most + 1, 4096):
+        for received in (0, 1, 8, chunk, chunk + 1, 4096):
+            one = received <= chunk and experts <= most
+            assert _C.testing.expert_places_one_chunk(received, experts) == one
+            assert _C.testing.expert_tally_launched(received, experts) == (not one)
+    # A decode step of 8 tokens on 1 to 4 ranks (top-8 of 256): one kernel on
+    # a capacity of 8; on a prefill-sized capacity the tally is launched and
+    # returns at once.
+    for world in (1, 2, 4):
+        assert not _C.testing.expert_tally_launched(world * 8, 256 // world)
+        assert _C.testing.expert_places_one_chunk(world * 8, 256 // world)
+        assert _C.testing.expert_tally_launched(world * 4096, 256 // world)
+
+
 def test_signal_region_does_not_grow_with_the_capacity():
     # Chunk slots and combine flags are per (parity, source, chunk), and a
     # source publishes at most 128 chunks whatever its token count.

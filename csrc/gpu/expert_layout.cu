@@ -21,6 +21,9 @@
 //     its pairs their rows and writes expert_rows_of and the weights, then
 //     the block copies the rows, each loaded once and stored to each of its
 //     pair rows; then the alignment padding.
+// Rows received that fit one chunk (expert_places_one_chunk) skip 1 and 2:
+// each placement block runs them itself on its own shared copy of the
+// tables (block 0 writes the outputs), so a decode step pays one kernel.
 // combine_expert's sums take a share of the received rows per block too.
 #include <type_traits>
 
@@ -82,6 +85,7 @@ __global__ void __launch_bounds__(kThreads) expert_tally_kernel(ExpertLayoutArgs
   const int ws = warp_size(), nw = kThreads / ws, warp = int(threadIdx.x) / ws, lane = lane_id(), K = int(a.topk);
   const int64_t E = a.experts;
   const int32_t received = rows_received(a.counts, a.world, a.rows), chunks = int32_t(expert_chunks(received));
+  if (expert_places_one_chunk(received, E)) return;  // the placement tallies the chunk itself
   const IdxT* ids = static_cast<const IdxT*>(a.ids);
   // Block-uniform loops: every warp reaches every barrier.
   for (int32_t c0 = int32_t(blockIdx.x) * nw; c0 < chunks; c0 += int32_t(gridDim.x) * nw) {
@@ -124,43 +128,29 @@ RC_DEVICE int32_t block_exclusive_sum(int32_t v, int32_t* total, int32_t (&warp_
   return before + inclusive - v;
 }
 
-// One block. Offsets and counts fit int32, the outputs' dtype.
-__global__ void __launch_bounds__(kThreads) expert_offsets_kernel(ExpertLayoutArgs a) {
-  __shared__ int32_t warp_tot[kMaxWarps];
-  const int32_t received = rows_received(a.counts, a.world, a.rows), chunks = int32_t(expert_chunks(received));
-  const int64_t E = a.experts;
-  const int32_t A = int32_t(a.alignment);
+// Each expert's offset from its count: the counts of the experts before it,
+// each rounded up to the alignment A, summed. Thread e % kThreads calls
+// count(e) once for each expert e (passes of kThreads experts) and
+// store(e, count, offset); then thread 0 calls finish(end, needed) with the
+// end of the last expert's rows (offsets[E]) and the rows the pairs need
+// (the furthest end of an expert's rows: its alignment padding need not
+// fit). Every thread of the block calls it. Offsets and counts fit int32,
+// the outputs' dtype.
+template <typename Count, typename Store, typename Finish>
+RC_DEVICE void scan_expert_offsets(int64_t E, int32_t A, Count count, Store store, Finish finish,
+                                   int32_t (&warp_tot)[kMaxWarps]) {
   int32_t carry = 0, needed = 0;
   for (int64_t e0 = 0; e0 < E; e0 += kThreads) {
     const int64_t e = e0 + threadIdx.x;
-    int32_t n = 0;
-    if (e < E) {
-      // The masks' loads do not wait for the prefixes' stores, and U of
-      // them are in flight: a thread goes over every chunk (on an H200, the
-      // 128 chunks of 4096 rows take this kernel 11.2 us, 12.7 us at 4).
-      constexpr int U = 16;
-      for (int32_t c0 = 0; c0 < chunks; c0 += U) {
-        uint32_t m[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) m[u] = c0 + u < chunks ? a.chunk_masks[int64_t(c0 + u) * E + e] : 0u;
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          if (c0 + u < chunks) a.chunk_prefix[int64_t(c0 + u) * E + e] = n;
-          n += __popc(m[u]);
-        }
-      }
-    }
+    const int32_t n = e < E ? count(e) : 0;
     int32_t total = 0;
     const int32_t offset = carry + block_exclusive_sum((n + A - 1) / A * A, &total, warp_tot);
     if (e < E) {
-      a.out_counts[e] = n;
-      a.out_offsets[e] = offset;
+      store(e, n, offset);
       needed = offset + n > needed ? offset + n : needed;
     }
     carry += total;
   }
-  // The rows the pairs need: the furthest end of an expert's rows (its
-  // alignment padding need not fit).
   for (int o = warp_size() / 2; o > 0; o /= 2) {
     const int32_t other = warp_shfl_xor(needed, o);
     needed = other > needed ? other : needed;
@@ -169,9 +159,73 @@ __global__ void __launch_bounds__(kThreads) expert_offsets_kernel(ExpertLayoutAr
   block_sync();
   if (threadIdx.x == 0) {
     for (int w = 0; w < kThreads / warp_size(); ++w) needed = warp_tot[w] > needed ? warp_tot[w] : needed;
-    a.out_needed[0] = needed;
-    a.out_offsets[E] = carry;
+    finish(carry, needed);
   }
+}
+
+// One block: a thread per expert goes over every chunk's mask.
+__global__ void __launch_bounds__(kThreads) expert_offsets_kernel(ExpertLayoutArgs a) {
+  __shared__ int32_t warp_tot[kMaxWarps];
+  const int32_t received = rows_received(a.counts, a.world, a.rows), chunks = int32_t(expert_chunks(received));
+  const int64_t E = a.experts;
+  if (expert_places_one_chunk(received, E)) return;  // the placement computes the offsets itself
+  auto count = [&](int64_t e) {
+    // The masks' loads do not wait for the prefixes' stores, and U of
+    // them are in flight (on an H200, the 128 chunks of 4096 rows take this
+    // kernel 11.2 us, 12.7 us at 4).
+    constexpr int U = 16;
+    int32_t n = 0;
+    for (int32_t c0 = 0; c0 < chunks; c0 += U) {
+      uint32_t m[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) m[u] = c0 + u < chunks ? a.chunk_masks[int64_t(c0 + u) * E + e] : 0u;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (c0 + u < chunks) a.chunk_prefix[int64_t(c0 + u) * E + e] = n;
+        n += __popc(m[u]);
+      }
+    }
+    return n;
+  };
+  scan_expert_offsets(
+      E, int32_t(a.alignment), count,
+      [&](int64_t e, int32_t count, int32_t offset) {
+        a.out_counts[e] = count;
+        a.out_offsets[e] = offset;
+      },
+      [&](int32_t end, int32_t needed) {
+        a.out_offsets[E] = end;
+        a.out_needed[0] = needed;
+      },
+      warp_tot);
+}
+
+// Where the placement reads each expert's offset and count and each
+// (chunk, expert)'s bitmask and prefix: the outputs and scratch of the
+// tally and offsets kernels, or a block's own tables of one chunk (counts
+// and prefixes none: a count is its one mask's bits, and no chunk comes
+// before the first).
+struct ExpertTables {
+  const int32_t* offsets;  // [E + 1]
+  const int32_t* counts;   // [E], or nullptr
+  const uint32_t* masks;   // [chunks, E]
+  const int32_t* prefix;   // [chunks, E], or nullptr
+  RC_DEVICE int32_t count(int64_t e) const { return counts ? counts[e] : __popc(masks[e]); }
+};
+
+// The one chunk's tally, by every thread of the block: thread j < received
+// sets bit j of the mask of each local expert that its row has. (The tally
+// kernel's rule, for one chunk: pair_slots keeps the ids within [0, E).)
+template <typename IdxT>
+RC_DEVICE void tally_one_chunk(const IdxT* ids, int32_t received, int K, int64_t E, uint32_t* masks) {
+  for (int64_t e = threadIdx.x; e < E; e += kThreads) masks[e] = 0;
+  block_sync();
+  if (int32_t(threadIdx.x) < received) {
+    const IdxT* row = ids + int64_t(threadIdx.x) * K;
+    for (uint64_t m = pair_slots(row, K, E); m != 0; m &= m - 1)
+      atomicOr(&masks[row[lowest_bit(m)]], 1u << threadIdx.x);
+  }
+  block_sync();
 }
 
 // Block b of the grid takes a contiguous share of the received rows,
@@ -232,7 +286,8 @@ RC_DEVICE RowSource received_row_source(const ExpertLayoutArgs& a, uint64_t heap
 // of expert e is warp (e * (alignment - 1) + i) of the grid
 // (expert_place_blocks), or a later one in its stride.
 template <typename V>
-RC_DEVICE void place_unreceived_and_padding(const ExpertLayoutArgs& a, int32_t received, int64_t nvec) {
+RC_DEVICE void place_unreceived_and_padding(const ExpertLayoutArgs& a, const ExpertTables& t, int32_t received,
+                                            int64_t nvec) {
   const int K = int(a.topk);
   const int64_t E = a.experts, n = a.expert_rows, S = a.scales_per_row, rb = a.row_bytes;
   const int64_t gthread = int64_t(blockIdx.x) * kThreads + threadIdx.x, gthreads = int64_t(gridDim.x) * kThreads;
@@ -241,7 +296,7 @@ RC_DEVICE void place_unreceived_and_padding(const ExpertLayoutArgs& a, int32_t r
   const int64_t pad = a.alignment - 1;
   for (int64_t w = gthread / ws; w < E * pad; w += gthreads / ws) {
     const int64_t e = w / pad;
-    const int64_t r = a.out_offsets[e] + int64_t(a.out_counts[e]) + (w - e * pad), next = a.out_offsets[e + 1];
+    const int64_t r = t.offsets[e] + int64_t(t.count(e)) + (w - e * pad), next = t.offsets[e + 1];
     if (r >= next || r >= n) continue;
     V* o = reinterpret_cast<V*>(a.out_x + r * rb);
     for (int64_t v = lane; v < nvec; v += ws) o[v] = V{};
@@ -268,6 +323,10 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
   // And where its payload and scales are.
   __shared__ const char* src_row[kBatchRows];
   __shared__ const float* src_scales[kBatchRows];
+  // The tables of one chunk (ExpertTables).
+  __shared__ uint32_t one_masks[kExpertOneChunkExperts];
+  __shared__ int32_t one_offsets[kExpertOneChunkExperts + 1];
+  __shared__ int32_t warp_tot[kMaxWarps];
   const int K = int(a.topk);
   const int64_t E = a.experts, n = a.expert_rows, S = a.scales_per_row, rb = a.row_bytes;
   const int64_t nvec = rb / int64_t(sizeof(V));
@@ -281,6 +340,31 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
   if (threadIdx.x == 0) heap_gen_shared = a.heap_gen ? *a.heap_gen : 0;
   block_sync();  // one load of the counter (uncached on HIP) per block
   const uint64_t heap_gen = heap_gen_shared;
+  const bool one_chunk = expert_places_one_chunk(received, E);  // block-uniform
+  ExpertTables tables{a.out_offsets, a.out_counts, a.chunk_masks, a.chunk_prefix};
+  if (one_chunk) {
+    tally_one_chunk(ids, received, K, E, one_masks);
+    const bool outputs = blockIdx.x == 0;
+    scan_expert_offsets(
+        E, int32_t(a.alignment), [&](int64_t e) { return int32_t(__popc(one_masks[e])); },
+        [&](int64_t e, int32_t count, int32_t offset) {
+          one_offsets[e] = offset;
+          if (outputs) {
+            a.out_counts[e] = count;
+            a.out_offsets[e] = offset;
+          }
+        },
+        [&](int32_t end, int32_t needed) {
+          one_offsets[E] = end;
+          if (outputs) {
+            a.out_offsets[E] = end;
+            a.out_needed[0] = needed;
+          }
+        },
+        warp_tot);
+    block_sync();  // the offsets are read by every thread
+    tables = {one_offsets, nullptr, one_masks, nullptr};
+  }
   auto prepare = [&](int r, int32_t j) {
     const IdxT* row = ids + int64_t(j) * K;
     int32_t* rows_of = a.out_rows_of + int64_t(j) * K;
@@ -292,8 +376,8 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
     const uint32_t below = (1u << (j % kChunkRows)) - 1u;
     uint64_t keep = 0;
     // Every pair's offset, prefix and bitmask on their way to L1 before the
-    // pairs read them one at a time.
-    for (uint64_t m = slots; m != 0; m &= m - 1) {
+    // pairs read them one at a time (global memory: not the tables of one chunk).
+    for (uint64_t m = one_chunk ? 0 : slots; m != 0; m &= m - 1) {
       const int64_t e = row[lowest_bit(m)];
       prefetch_l1(a.out_offsets + e);
       prefetch_l1(a.chunk_prefix + c * E + e);
@@ -302,7 +386,8 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
     for (uint64_t m = slots; m != 0; m &= m - 1) {
       const int k = lowest_bit(m);
       const int64_t e = row[k], at = c * E + e;
-      const int64_t dest = int64_t(a.out_offsets[e]) + a.chunk_prefix[at] + __popc(a.chunk_masks[at] & below);
+      const int64_t dest = int64_t(tables.offsets[e]) + (tables.prefix ? tables.prefix[at] : 0) +
+                           __popc(tables.masks[at] & below);
       if (dest >= n) continue;  // past expert_rows: dropped, and raised at a later op (out_needed)
       int place = 0;            // the row's pairs of smaller experts
       for (uint64_t o = slots; o != 0; o &= o - 1) place += row[lowest_bit(o)] < row[k];
@@ -327,7 +412,7 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
       copy_scales<true>(src_scales[r], S, [&](int p) { return a.out_scales + int64_t(pair_row[r][p]) * S; }, kept[r],
                         s);
   });
-  place_unreceived_and_padding<V>(a, received, nvec);
+  place_unreceived_and_padding<V>(a, tables, received, nvec);
 }
 
 // Each received row of the rank layout: its pair rows of y (the valid
@@ -371,8 +456,10 @@ void launch_expert_layout(const ExpertLayoutArgs& a, Stream s) {
   const int place_blocks = expert_place_blocks(a.rows, a.experts, a.alignment, a.sm_count);
   auto go = [&](auto idx) {
     using IdxT = typename decltype(idx)::type;
-    run(expert_tally_kernel<IdxT>, expert_chunk_blocks(a.rows, a.sm_count));
-    run(expert_offsets_kernel, 1);
+    if (expert_tally_launched(a.rows, a.experts)) {
+      run(expert_tally_kernel<IdxT>, expert_chunk_blocks(a.rows, a.sm_count));
+      run(expert_offsets_kernel, 1);
+    }
     if (v16) run(expert_place_kernel<IdxT, uint4>, place_blocks);
     else run(expert_place_kernel<IdxT, uint8_t>, place_blocks);
   };
