@@ -42,18 +42,14 @@ from above):
    against a copy of the bytes it moves at W = 1, the FP8 rows and their
    scales (``copy_`` of q [T, H] uint8 and scales [T, 56] fp32). Target
    ratio <= 1.2.
-10. the expert layout's decode step: ``dispatch(..., layout="expert")`` +
-    combine, T = 8, H = 7168, cap = 8 (every kernel of the step: the rank
-    layout's, the placement's, the pair sums'), against the rank layout's
-    step on the same communicator (row 5's baseline). Target ratio <= 1.5.
-11. the same on cap = 4096 (row 1's communicator), against row 5's op.
-    Target ratio <= 1.5.
-12. expert-layout dispatch, T = cap = 4096, H = 7168: x [32768, 7168] bf16,
-    a row per (token, expert) pair, against a copy of those pair rows (the
-    bytes it must write). Target ratio <= 1.3.
-13. its combine (y = that x) against ``torch.sum`` of the pair rows per
-    token: the bytes it must read, read once, and [4096, 7168] written.
-    Target ratio <= 1.3.
+10. the expert layout's decode step, ``dispatch(..., layout="expert")`` +
+    combine (every kernel of it), T = 8, H = 7168, cap = 8, against the rank
+    layout's step on the same communicator (row 5's baseline). Target <= 1.5.
+11. the same on cap = 4096, against row 5's op. Target ratio <= 1.5.
+12. expert-layout dispatch, T = cap = 4096: x [32768, 7168] bf16, a row per
+    (token, expert) pair, against a copy of those rows. Target <= 1.3.
+13. its combine against ``torch.sum`` of the pair rows per token (each read
+    once, [4096, 7168] written). Target ratio <= 1.3.
 
 all_reduce and all_reduce_rmsnorm have no rows: at W = 1 the sum over ranks
 is a copy of the input (plus the norm), which says nothing about either
@@ -89,20 +85,15 @@ Method.
   launch, torch.add's too, and the captured communicator orders each launch
   with an event wait and record.
 - ncu (``--ncu``, GPU): the benchmark runs itself again under Nsight
-  Compute (``ncu --profile-from-start off --kernel-name-base demangled
-  --kernel-name regex:"dispatch|combine|copy|elementwise" --metrics
-  dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes.sum,
-  smsp__inst_executed.sum,gpu__time_duration.sum,smsp__warps_launched.sum``);
-  that child process
-  checks the ops, warms them up, and profiles one call of each inside
-  cudaProfilerStart/Stop. The report is read back with ``ncu --import
-  --csv --page raw --print-units base``, its kernels matched in order with
-  the kernels torch.profiler saw each op launch, and every op gets its
-  kernels' DRAM throughput (% of peak, GB/s = dram__bytes / duration),
-  instructions executed and instructions per DRAM byte
-  (smsp__inst_executed.sum / dram__bytes.sum), and every kernel its
-  instructions per warp (/ smsp__warps_launched.sum), what each warp of a
-  small batch's kernel runs around its few bytes. ``copy_`` of one contiguous
+  Compute (``ncu --profile-from-start off --kernel-name-base demangled``,
+  the kernels and metrics of _harness/ncu.py's NCU_KERNEL_REGEX and
+  NCU_METRICS); that child process checks the ops, warms them up, and
+  profiles one call of each inside cudaProfilerStart/Stop. The report is read back with ``ncu --import
+  --csv --page raw --print-units base``, matched in order with the kernels
+  torch.profiler saw each op launch, and every op gets its kernels' DRAM
+  throughput (% of peak, GB/s = dram__bytes / duration), instructions and
+  instructions per DRAM byte, and every kernel its instructions per warp
+  (what each warp of a small batch's kernel runs around its few bytes). ``copy_`` of one contiguous
   bf16 tensor to another is a device-to-device memcpy, which ncu does not
   profile, so the copy's ncu columns come from an elementwise kernel moving
   the same bytes (``torch.mul(src, 1, out=dst)``). Without ncu the table
@@ -112,10 +103,10 @@ CPU (``--device cpu``, also where no GPU is usable): a one-process world on
 the "cpu" transport, the same rows with smaller shapes (rows 1-2: T = cap =
 256, H = 512; row 3: T = cap = 8, H = 256; row 4: T = cap = 64, H = 512;
 row 5: T = 8, H = 512, cap 256 against cap 8; rows 6-7 and 10: T = cap = 8,
-H = 512; row 11 as row 5; rows 8-9 and 12-13 as rows 1-2), device times from the wall clock of each call (the CPU transport
-runs its op on the calling thread, and torch runs on one thread too:
-torch.set_num_threads(1)), no graph replay, no ncu. The targets
-are GPU targets; on CPUs the table prints them but does not judge them.
+H = 512; row 11 as row 5; rows 8-9 and 12-13 as rows 1-2), device times
+from the wall clock of each call (the CPU transport runs its op on the
+calling thread, and torch on one thread too), no graph replay, no ncu.
+The targets are GPU targets: on CPUs the table prints, but does not judge, them.
 
 Output: the table, the per-op kernel breakdown, and a JSONL results file
 (refuses to overwrite; a header line with versions, device and command, one

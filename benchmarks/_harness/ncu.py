@@ -27,9 +27,10 @@ from rdna4_comm._timing import format_table
 
 NCU_METRICS = ("dram__throughput.avg.pct_of_peak_sustained_elapsed", "dram__bytes.sum",
                "smsp__inst_executed.sum", "gpu__time_duration.sum", "smsp__warps_launched.sum")
-# The kernels profiled (demangled names): rdna4_comm's dispatch and combine
-# kernels and the baselines' copy and elementwise kernels.
-NCU_KERNEL_REGEX = "dispatch|combine|copy|elementwise"
+# The kernels profiled (demangled names): rdna4_comm's dispatch, combine and
+# expert-layout kernels and the baselines' copy, elementwise and reduction
+# kernels.
+NCU_KERNEL_REGEX = "dispatch|combine|expert|copy|elementwise|reduce"
 NCU_TIMEOUT_S = 1200
 
 
