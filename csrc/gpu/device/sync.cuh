@@ -98,12 +98,9 @@ RC_DEVICE int round_op() {
 // flag of this round before the word has landed waits for the word too.
 // Every thread stores the same word into round_word, so each reads its own
 // store back with no barrier. Block 0's thread 0 also stores the round's
-// number into *number_out where one is given (a dispatch's handle). Every
-// counter is loaded before the store: the store's "memory" clobber would
-// hold a later load back by one round trip, on every launch's critical path.
+// number into *number_out where one is given (a dispatch's handle).
 RC_DEVICE Round begin_round(const Env& env, int sequence, uint64_t fields, int64_t* number_out = nullptr) {
   const Layout& L = env.layout;
-  const Round round{*L.counter(env.sig[env.rank], sequence, blockIdx.x) + 1};
   uint64_t word = 0;
   if (fields != 0) {
     const uint64_t number = round_number(env);
@@ -115,7 +112,7 @@ RC_DEVICE Round begin_round(const Env& env, int sequence, uint64_t fields, int64
     if (number_out && blockIdx.x == 0 && p == 0) *number_out = int64_t(number);
   }
   round_word = word;
-  return round;
+  return Round{*L.counter(env.sig[env.rank], sequence, blockIdx.x) + 1};
 }
 
 // The first thread to fail leaves one word for the host: a timeout
