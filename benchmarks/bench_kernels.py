@@ -157,7 +157,7 @@ AFTER_CAPTURE = "after the device rows: torch.profiler sessions and graph captur
 # The ops the ncu child profiles, one call each, in this order.
 NCU_OPS = ("dispatch", "copy", "copy_kernel", "combine", "dc_small", "dc_medium", "dc_decode_bigcap",
            "dc_decode", "add", "dispatch_fp8", "dispatch_fp8_pair", "dc_expert_decode", "dc_expert_decode_bigcap",
-           "expert_dispatch", "expert_combine", "read_pairs")
+           "dispatch_expert", "combine_expert", "read_pairs")
 # ncu columns of a baseline whose own kernels ncu cannot see (a memcpy).
 NCU_STAND_IN = {"copy": "copy_kernel"}
 
@@ -204,9 +204,9 @@ def make_rows(shapes: Shapes) -> list[Row]:
             True, td, hd, td, "rank layout's step"),
         Row(11, f"expert decode d+c T={td} H={hd} cap={tl}", "device", "dc_expert_decode_bigcap", "dc_decode_bigcap",
             1.5, "ratio", True, td, hd, tl, "rank layout's step"),
-        Row(12, f"expert dispatch T={tl} H={hl} cap={tl}", "device", "expert_dispatch", "copy_pairs", 1.3, "ratio",
+        Row(12, f"expert dispatch T={tl} H={hl} cap={tl}", "device", "dispatch_expert", "copy_pairs", 1.3, "ratio",
             False, tl, hl, tl, "copy_ of the pair rows"),
-        Row(13, f"expert combine T={tl} H={hl} cap={tl}", "device", "expert_combine", "read_pairs", 1.3, "ratio",
+        Row(13, f"expert combine T={tl} H={hl} cap={tl}", "device", "combine_expert", "read_pairs", 1.3, "ratio",
             False, tl, hl, tl, "torch.sum of the pair rows"),
     ]
 

@@ -23,6 +23,7 @@ from rdna4_comm._launch import free_port
 from rdna4_comm._ranks import RankContext
 from rdna4_comm.communicator import Communicator
 from rdna4_comm.fp8 import FP8_DTYPE, quantize_fp8
+from rdna4_comm.results import ExpertDispatched
 
 DTYPE = torch.bfloat16
 SEED = 0
@@ -97,7 +98,7 @@ def check_combined(out, y, ref, x, what: str) -> None:
     rows) equals x times the rows a token has: 1 in the rank layout, its 8
     distinct experts' in the expert layout (exact: a power of two)."""
     assert_same(out, reference.combine([y.cpu()], [ref])[0], f"{what}: combine vs rdna4_comm.reference")
-    rows = EP_TOPK if hasattr(ref, "expert_offsets") else 1
+    rows = EP_TOPK if isinstance(ref, ExpertDispatched) else 1
     assert_same(out, x * rows, f"{what}: combine(dispatch(x).x) == {rows} x")
 
 
@@ -115,7 +116,7 @@ class Cases:
         large = self.comm(tl, hl)
 
         # Rows 1-2: dispatch and combine of T = cap tokens, and the copy of the same bytes.
-        x = self._add_dispatch_and_combine("", "", large, tl, hl)
+        x, _ = self._add_dispatch_and_combine("", "", large, tl, hl)
         dst = torch.empty_like(x)
         self._add("copy", lambda: dst.copy_(x), lambda out: assert_same(out, x, "copy_"),
                   f"dst.copy_(src), [{tl}, {hl}] bf16 ({tl * hl * 2} bytes: the payload dispatch moves at W = 1)")
@@ -141,7 +142,8 @@ class Cases:
         # the large T against the bytes they write and read.
         self._add_round_trip("dc_expert_decode", decode, td, hd, layout="expert")
         self._add_round_trip("dc_expert_decode_bigcap", large, td, hd, layout="expert")
-        self._add_expert_dispatch_and_combine(large, tl, hl)
+        _, pairs = self._add_dispatch_and_combine("_expert", " (expert layout)", large, tl, hl, layout="expert")
+        self._add_pair_baselines(pairs[: tl * EP_TOPK], tl, hl)
 
         # Rows 6-7: eager host time on the decode communicator, and an add.
         self._add_dispatch_and_combine("_host", " (host time)", decode, td, hd)
@@ -188,24 +190,27 @@ class Cases:
     def _add(self, key, run, check, detail) -> None:
         self.ops[key] = KOp(key, run, check, detail)
 
-    def _add_dispatch_and_combine(self, suffix: str, note: str, comm: Communicator, tokens: int,
-                                  hidden: int) -> torch.Tensor:
+    def _add_dispatch_and_combine(self, suffix: str, note: str, comm: Communicator, tokens: int, hidden: int,
+                                  layout: str = "rank") -> tuple:
         """Ops "dispatch<suffix>" (x [T, H] bf16 with its routing, T = the
-        communicator's capacity) and "combine<suffix>" (y = a checked
-        dispatch's x [T, H] bf16, its handle); ``note`` ends their check
-        messages. Returns x."""
+        communicator's capacity, in ``layout``) and "combine<suffix>" (y = a
+        checked dispatch's x, its handle: [T, H] bf16 in the rank layout,
+        [comm.expert_rows, H] in the expert layout); ``note`` ends their
+        check messages. Returns (x, y)."""
         x, idx, w = ep_inputs(tokens, hidden, self.rank.device)
-        self._add(f"dispatch{suffix}", lambda: comm.dispatch(x, idx, w),
-                  lambda d: check_dispatched(d, x, idx, w, tokens, f"dispatch{note}"),
+        arg = "" if layout == "rank" else f", layout={layout!r}"
+        self._add(f"dispatch{suffix}", lambda: comm.dispatch(x, idx, w, layout=layout),
+                  lambda d: check_dispatched(d, x, idx, w, tokens, f"dispatch{note}", layout=layout),
                   f"comm.dispatch(x [{tokens}, {hidden}] bf16, topk_idx [{tokens}, 8] int64, "
-                  f"topk_weights [{tokens}, 8] bf16), cap {tokens}")
-        d = comm.dispatch(x, idx, w)
-        ref = check_dispatched(d, x, idx, w, tokens, f"dispatch for combine's input{note}")
+                  f"topk_weights [{tokens}, 8] bf16{arg}), cap {tokens}")
+        d = comm.dispatch(x, idx, w, layout=layout)
+        ref = check_dispatched(d, x, idx, w, tokens, f"dispatch for combine's input{note}", layout=layout)
         y, handle = d.x, d.handle
         self._add(f"combine{suffix}", lambda: comm.combine(y, handle),
                   lambda out: check_combined(out, y, ref, x, f"combine{note}"),
-                  f"comm.combine(y [{tokens}, {hidden}] bf16, handle) -> [{tokens}, {hidden}] bf16, cap {tokens}")
-        return x
+                  f"comm.combine(y [{y.shape[0]}, {hidden}] bf16, handle{arg}) -> [{tokens}, {hidden}] bf16, "
+                  f"cap {tokens}")
+        return x, y
 
     def _add_round_trip(self, key: str, comm: Communicator, tokens: int, hidden: int, layout: str = "rank") -> None:
         x, idx, w = ep_inputs(tokens, hidden, self.rank.device)
@@ -224,25 +229,10 @@ class Cases:
         self._add(key, run, check, f"d = comm.dispatch(x [{tokens}, {hidden}] bf16, topk_idx int64, topk_weights bf16"
                                    f"{arg}); comm.combine(d.x, d.handle); cap {cap}")
 
-    def _add_expert_dispatch_and_combine(self, comm: Communicator, tokens: int, hidden: int) -> None:
-        """Ops "expert_dispatch" (x [T, H] bf16 with its routing, layout
-        "expert", T = the communicator's capacity: 8 T pair rows),
-        "copy_pairs" (copy_ of [8 T, H] bf16: the pair rows it writes),
-        "expert_combine" (y = a checked expert dispatch's x, its handle) and
-        "read_pairs" (those 8 T rows summed per token by torch: each read
-        once, T rows written)."""
-        x, idx, w = ep_inputs(tokens, hidden, self.rank.device)
-        shapes = f"topk_idx [{tokens}, 8] int64, topk_weights [{tokens}, 8] bf16, layout='expert'), cap {tokens}"
-        self._add("expert_dispatch", lambda: comm.dispatch(x, idx, w, layout="expert"),
-                  lambda d: check_dispatched(d, x, idx, w, tokens, "expert dispatch", layout="expert"),
-                  f"comm.dispatch(x [{tokens}, {hidden}] bf16, {shapes}")
-        d = comm.dispatch(x, idx, w, layout="expert")
-        ref = check_dispatched(d, x, idx, w, tokens, "expert dispatch for combine's input", layout="expert")
-        y, handle = d.x, d.handle
-        self._add("expert_combine", lambda: comm.combine(y, handle),
-                  lambda out: check_combined(out, y, ref, x, "expert combine"),
-                  f"comm.combine(y [{y.shape[0]}, {hidden}] bf16 (expert layout), handle) -> [{tokens}, {hidden}] bf16")
-        pairs = y[: tokens * EP_TOPK]
+    def _add_pair_baselines(self, pairs: torch.Tensor, tokens: int, hidden: int) -> None:
+        """Ops "copy_pairs" (copy_ of the [8 T, H] bf16 pair rows an expert
+        dispatch writes) and "read_pairs" (those rows summed per token by
+        torch: each read once, T rows written)."""
         dst = torch.empty_like(pairs)
         self._add("copy_pairs", lambda: dst.copy_(pairs), lambda out: assert_same(out, pairs, "copy_ of the pair rows"),
                   f"dst.copy_(src), [{tokens * EP_TOPK}, {hidden}] bf16 ({tokens * EP_TOPK * hidden * 2} bytes: the "
