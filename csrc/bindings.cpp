@@ -67,19 +67,23 @@ void bind_config(py::module_& m) {
   py::class_<CommConfig> cls(m, "CommConfig", "What a communicator is made of");
   cls.def(py::init([](const py::kwargs& kwargs) {
     CommConfig c;
+    size_t used = 0;
     CommConfig::each_field([&](const ConfigField& f, auto member) {
       using T = std::remove_reference_t<decltype(c.*member)>;
       TORCH_CHECK_TYPE(kwargs.contains(f.name), "CommConfig: missing keyword ", f.name);
       c.*member = from_python<T>(kwargs[f.name]);
+      ++used;
     });
-    std::string unknown;
-    for (const auto& item : kwargs) {
-      const std::string key = py::cast<std::string>(item.first);
-      bool known = false;
-      CommConfig::each_field([&](const ConfigField& f, auto) { known = known || key == f.name; });
-      if (!known) unknown += (unknown.empty() ? "" : ", ") + key;
+    if (used != kwargs.size()) {  // name the keywords that are no field
+      std::string unknown;
+      for (const auto& item : kwargs) {
+        const std::string key = py::cast<std::string>(item.first);
+        bool known = false;
+        CommConfig::each_field([&](const ConfigField& f, auto) { known = known || key == f.name; });
+        if (!known) unknown += (unknown.empty() ? "" : ", ") + key;
+      }
+      TORCH_CHECK_TYPE(false, "CommConfig: unknown keywords: ", unknown);
     }
-    TORCH_CHECK_TYPE(unknown.empty(), "CommConfig: unknown keywords: ", unknown);
     return c;
   }));
   py::list fields;

@@ -19,7 +19,7 @@ order. The ops never read or change the token's value.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -78,7 +78,7 @@ def mark_dynamic_tokens(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return x
 
 
-def output_getter(op: str, *names: str) -> Callable[[tuple], list]:
+def output_getter(op: str, *names: str) -> Callable[[tuple], Sequence]:
     """A function that takes op ``op``'s outputs (a tuple) to those named
     ``names``, in that order: the methods unpack the ops' results by name.
     A plain function, which torch.compile traces (an operator.itemgetter it
