@@ -56,8 +56,15 @@ struct ExpertPlacement {
 ExpertPlacement expert_placement(const Dispatched& d, int64_t experts, int64_t alignment, ExpertDispatched& out,
                                  const at::Tensor& needed, int sm_count) {
   const int64_t R = d.topk_idx.size(0), K = d.topk_idx.size(1);
-  at::Tensor scratch = at::empty({2, expert_chunks(R), experts}, d.counts.options());
   ExpertLayoutArgs a{};
+  // Only the tally and offsets kernels use the scratch, and only where they
+  // are launched: rows that fit one chunk are tallied in shared memory.
+  at::Tensor scratch;
+  if (expert_tally_launched(R, experts)) {
+    scratch = at::empty({2, expert_chunks(R), experts}, d.counts.options());
+    a.chunk_masks = reinterpret_cast<uint32_t*>(scratch.data_ptr<int32_t>());
+    a.chunk_prefix = scratch.data_ptr<int32_t>() + expert_chunks(R) * experts;
+  }
   a.ids = d.topk_idx.data_ptr();
   a.ids_int64 = d.topk_idx.scalar_type() == at::kLong;
   a.weights = d.topk_weights.numel() > 0 ? d.topk_weights.data_ptr() : nullptr;
@@ -74,8 +81,6 @@ ExpertPlacement expert_placement(const Dispatched& d, int64_t experts, int64_t a
   a.row_bytes = d.x.size(1) * int64_t(d.x.element_size());
   a.scales_per_row = d.x_scales.defined() ? d.x_scales.size(1) : 0;
   a.sm_count = sm_count;
-  a.chunk_masks = reinterpret_cast<uint32_t*>(scratch[0].data_ptr<int32_t>());
-  a.chunk_prefix = scratch[1].data_ptr<int32_t>();
   a.out_x = static_cast<char*>(out.x.data_ptr());
   a.out_scales = out.x_scales.defined() ? out.x_scales.data_ptr<float>() : nullptr;
   a.out_weights = a.weights ? out.topk_weights.data_ptr() : nullptr;

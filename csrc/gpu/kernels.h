@@ -123,8 +123,8 @@ struct ExpertLayoutArgs {
   int world;
   int64_t rows, topk, experts, alignment, expert_rows, row_bytes, scales_per_row;
   int sm_count;
-  uint32_t* chunk_masks;     // scratch [expert_chunks(R), E]
-  int32_t* chunk_prefix;     // scratch [expert_chunks(R), E]
+  uint32_t* chunk_masks;     // scratch [expert_chunks(R), E]; nullptr where !expert_tally_launched
+  int32_t* chunk_prefix;     // scratch [expert_chunks(R), E]; nullptr where !expert_tally_launched
   char* out_x;               // [expert_rows, row_bytes]
   float* out_scales;         // FP8: [expert_rows, S]; else nullptr
   void* out_weights;         // [expert_rows] of weights_dtype, or nullptr
