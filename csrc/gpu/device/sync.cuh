@@ -69,15 +69,25 @@ struct Round {
 };
 __shared__ uint64_t round_word;
 
-// The number of the round a block is in: one more than the rounds its
-// counters hold, which only the block's own finish_op changes, at its end.
-RC_DEVICE uint64_t round_number(const Env& env) {
+// The block's counters of the three op sequences that count rounds, which
+// only the block's own finish_op changes, at its end.
+struct RoundCounters {
+  uint64_t all_reduce, dispatch, combine;
+  // The number of the round the block is in: one more than the rounds they hold.
+  RC_DEVICE uint64_t number() const { return next_round(all_reduce, dispatch, combine); }
+  // Sequence `sequence`'s counter: every sequence whose kernels make calls is one of the three.
+  RC_DEVICE uint64_t of(int sequence) const {
+    return sequence == kOpDispatch ? dispatch : sequence == kOpCombine ? combine : all_reduce;
+  }
+};
+RC_DEVICE RoundCounters round_counters(const Env& env) {
   const Layout& L = env.layout;
   char* own = env.sig[env.rank];
   const int b = blockIdx.x;
-  return next_round(*L.counter(own, kAllReduceSequence, b), *L.counter(own, kOpDispatch, b),
-                    *L.counter(own, kOpCombine, b));
+  return {load_relaxed_device(L.counter(own, kAllReduceSequence, b)),
+          load_relaxed_device(L.counter(own, kOpDispatch, b)), load_relaxed_device(L.counter(own, kOpCombine, b))};
 }
+RC_DEVICE uint64_t round_number(const Env& env) { return round_counters(env).number(); }
 
 // The op a round's timeout names.
 RC_DEVICE int round_op() {
@@ -92,7 +102,11 @@ RC_DEVICE int round_op() {
 
 // A block's round of op sequence `sequence`: its generation from the
 // block's own counter, which finish_op keeps alike in every block between
-// launches. Block 0 announces the call word `fields` stamped with the round
+// launches. A call's generation and round number come from one set of
+// loads, issued together (no load waits behind the word's store, and the
+// loads are relaxed: plain ones let the compiler schedule the kernel's
+// registers differently, and all_reduce_rmsnorm's fp32 row loop spilled).
+// Block 0 announces the call word `fields` stamped with the round
 // into every rank's slot (its own too: the host reads it for messages),
 // before the launch's first wait on a peer can need it; a peer that reads a
 // flag of this round before the word has landed waits for the word too.
@@ -101,18 +115,20 @@ RC_DEVICE int round_op() {
 // number into *number_out where one is given (a dispatch's handle).
 RC_DEVICE Round begin_round(const Env& env, int sequence, uint64_t fields, int64_t* number_out = nullptr) {
   const Layout& L = env.layout;
-  uint64_t word = 0;
-  if (fields != 0) {
-    const uint64_t number = round_number(env);
-    word = call_word(fields, number);
-    const int p = threadIdx.x;
-    // A relaxed store: the word is its whole message, and it orders nothing
-    // (a release's system-wide wait would delay block 0 at every launch).
-    if (blockIdx.x == 0 && p < env.world) store_relaxed_sys(L.call_slot(env.sig[p], number, env.rank), word);
-    if (number_out && blockIdx.x == 0 && p == 0) *number_out = int64_t(number);
+  if (fields == 0) {
+    round_word = 0;
+    return Round{*L.counter(env.sig[env.rank], sequence, blockIdx.x) + 1};
   }
+  const RoundCounters counters = round_counters(env);
+  const Round round{counters.of(sequence) + 1};
+  const uint64_t number = counters.number(), word = call_word(fields, number);
+  const int p = threadIdx.x;
+  // A relaxed store: the word is its whole message, and it orders nothing
+  // (a release's system-wide wait would delay block 0 at every launch).
+  if (blockIdx.x == 0 && p < env.world) store_relaxed_sys(L.call_slot(env.sig[p], number, env.rank), word);
+  if (number_out && blockIdx.x == 0 && p == 0) *number_out = int64_t(number);
   round_word = word;
-  return Round{*L.counter(env.sig[env.rank], sequence, blockIdx.x) + 1};
+  return round;
 }
 
 // The first thread to fail leaves one word for the host: a timeout
