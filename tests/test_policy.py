@@ -156,17 +156,43 @@ def test_allreduce_blocks():
 @pytest.mark.parametrize("sms", [1, 8, H200_SMS])
 def test_expert_layout_grids_cover_the_rows_and_stay_within_four_blocks_per_multiprocessor(sms):
     # The tally: a warp per chunk of 32 rows, a block of 16 warps; the
-    # placement and the sums: a block per row. Both capped at 4 blocks per
-    # multiprocessor (the kernels loop over what is left).
+    # placement and the sums: a block per row, and at least one per
+    # multiprocessor (rows are sliced among them). Both capped at 4 blocks
+    # per multiprocessor (the kernels loop over what is left).
     chunk_rows, warps = _C.testing.expert_chunk_rows, _C.testing.gpu_block_threads // 32
     assert chunk_rows == 32
     for rows in (1, 8, 31, 32, 33, 512, 513, 4096, 8 * 4096, 8 << 18):
         chunks = _C.testing.expert_chunks(rows)
         assert chunks == ceil_div(rows, chunk_rows)
         assert _C.testing.expert_chunk_blocks(rows, sms) == min(ceil_div(chunks, warps), 4 * sms)
-        assert _C.testing.expert_row_blocks(rows, sms) == min(rows, 4 * sms)
+        assert _C.testing.expert_row_blocks(rows, sms) == min(max(rows, sms), 4 * sms)
     # A decode step on a prefill-sized capacity: its 8 rows take 8 blocks of the grid.
     assert _C.testing.expert_row_blocks(4096, H200_SMS) >= 8
+
+
+@pytest.mark.parametrize("sms", [1, 8, H200_SMS])
+def test_expert_rows_are_sliced_so_a_few_rows_spread_over_the_grid(sms):
+    # A grid with more blocks than rows received cuts each row into slices
+    # of at least expert_slice_vectors vectors, a block's share each: as
+    # many as the blocks allow, never more than the row's vectors allow.
+    least = _C.testing.expert_slice_vectors
+    assert least == 64
+    for cap_rows in (8, 32, 4096, 8 * 4096):
+        blocks = _C.testing.expert_row_blocks(cap_rows, sms)
+        for received in (0, 1, 8, 33, 512, 4096):
+            if received > cap_rows:
+                continue
+            for vectors in (1, 63, 64, 896, 7168 * 2 // 16, 1 << 16):
+                slices = _C.testing.expert_row_slices(received, vectors, blocks)
+                assert slices == max(1, min(blocks // max(received, 1), vectors // least)), (received, vectors)
+                assert slices == 1 or (received * slices <= blocks and vectors // slices >= least)
+    # A decode step (8 rows of H = 7168 bf16: 896 16-byte vectors) on an
+    # H200 takes 8 * 14 = 112 of the 132 blocks, on either capacity.
+    for cap_rows in (8, 4096):
+        blocks = _C.testing.expert_row_blocks(cap_rows, H200_SMS)
+        assert 8 * _C.testing.expert_row_slices(8, 896, blocks) == 112
+    # A prefill's rows are not sliced.
+    assert _C.testing.expert_row_slices(4096, 896, _C.testing.expert_row_blocks(4096, H200_SMS)) == 1
 
 
 @pytest.mark.parametrize("sms", [1, 8, H200_SMS])
@@ -178,7 +204,7 @@ def test_expert_placement_grid_has_a_warp_per_padding_row(sms):
     for rows in (1, 8, 4096):
         for experts, alignment in ((1, 1), (256, 1), (256, 16), (64, 128), (1, 128)):
             want = max(rows, ceil_div(experts * (alignment - 1), warps))
-            assert _C.testing.expert_place_blocks(rows, experts, alignment, sms) == min(max(want, 1), 4 * sms)
+            assert _C.testing.expert_place_blocks(rows, experts, alignment, sms) == min(max(want, sms), 4 * sms)
             assert _C.testing.expert_place_blocks(rows, experts, alignment, sms) >= \
                 _C.testing.expert_row_blocks(rows, sms)
 

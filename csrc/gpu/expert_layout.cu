@@ -17,14 +17,15 @@
 //     the chunk's rows that have e (chunk_masks);
 //  2. offsets, one block: per expert, the rows of the earlier chunks that
 //     have it (chunk_prefix), its count, the aligned offsets, the rows needed;
-//  3. place: a share of the received rows per block. A thread per row gives
-//     its pairs their rows and writes expert_rows_of and the weights, then
-//     the block copies the rows, each loaded once and stored to each of its
-//     pair rows; then the alignment padding.
+//  3. place: a share of the received rows' slices per block
+//     (for_received_rows). A warp per row gives its pairs their rows and
+//     writes expert_rows_of and the weights, then the block copies the
+//     rows, each loaded once and stored to each of its pair rows; then the
+//     alignment padding.
 // Rows received that fit one chunk (expert_places_one_chunk) skip 1 and 2:
 // each placement block runs them itself on its own shared copy of the
 // tables (block 0 writes the outputs), so a decode step pays one kernel.
-// combine_expert's sums take a share of the received rows per block too.
+// combine_expert's sums take a share of the received rows' slices per block too.
 #include <type_traits>
 
 #include "../bounds.h"
@@ -38,6 +39,9 @@ namespace {
 constexpr int kChunkRows = int(kExpertChunkRows);
 static_assert(kChunkRows <= kMinWarpSize && kChunkRows == 32, "a chunk's bitmask is one 32-bit word, a row per lane");
 static_assert(kMaxTopk <= 64, "a row's pairs are one 64-bit mask");
+// A row's slots, a lane each: slot k is lane k % warp size's, of its group k / warp size.
+static_assert(kMaxTopk % kMinWarpSize == 0, "a row's slots fill whole groups of lanes");
+constexpr int kSlotGroups = kMaxTopk / kMinWarpSize;
 // Experts per pass over a warp's shared bitmasks in the tally.
 constexpr int kExpertTile = 256;
 // Pair rows of a sum loaded together (sum_row): a row has up to K of them,
@@ -216,33 +220,52 @@ struct ExpertTables {
 // The one chunk's tally, by every thread of the block: thread j < received
 // sets bit j of the mask of each local expert that its row has. (The tally
 // kernel's rule, for one chunk: pair_slots keeps the ids within [0, E).)
+// Row j's weights and source, which the placement reads next, are on their
+// way to L1 meanwhile.
 template <typename IdxT>
-RC_DEVICE void tally_one_chunk(const IdxT* ids, int32_t received, int K, int64_t E, uint32_t* masks) {
+RC_DEVICE void tally_one_chunk(const ExpertLayoutArgs& a, int32_t received, uint32_t* masks) {
+  const int K = int(a.topk);
+  const int64_t E = a.experts;
   for (int64_t e = threadIdx.x; e < E; e += kThreads) masks[e] = 0;
   block_sync();
   if (int32_t(threadIdx.x) < received) {
-    const IdxT* row = ids + int64_t(threadIdx.x) * K;
+    const int64_t j = threadIdx.x;
+    if (a.weights) prefetch_l1(static_cast<const char*>(a.weights) + j * K * dtype_bytes(a.weights_dtype));
+    prefetch_l1(a.recv_src + j);
+    const IdxT* row = static_cast<const IdxT*>(a.ids) + j * K;
     for (uint64_t m = pair_slots(row, K, E); m != 0; m &= m - 1)
       atomicOr(&masks[row[lowest_bit(m)]], 1u << threadIdx.x);
   }
   block_sync();
 }
 
-// Block b of the grid takes a contiguous share of the received rows,
-// kBatchRows at a time: thread r below the batch's rows runs prepare(r, j)
-// for its row j (shared state for the batch), then, after a barrier,
-// row(r, j, span) runs for the pieces of every row of the batch
-// (for_row_pieces).
+// The received rows of nvec vectors, each cut into `slices` runs of
+// `width` vectors (the last shorter; expert_row_slices), and block b of the
+// grid takes a contiguous share of those slices, kBatchRows at a time:
+// warp w runs prepare(r, j, writes) with all its lanes for slices r = w, w
+// + warps, ... of the batch (j: the slice's row; `writes`: the row's first
+// slice, whose block alone writes the row's outputs), shared state for the
+// batch; then, after a barrier, row(r, j, span) runs for the vectors of
+// every slice of the batch (for_row_pieces; the span's indices are the
+// row's, and it leads only from the row's first vector).
 constexpr int kBatchRows = kChunkRows;
 template <typename Prepare, typename Row>
 RC_DEVICE void for_received_rows(int32_t received, uint32_t nvec, Prepare prepare, Row row) {
-  const int32_t per = (received + int32_t(gridDim.x) - 1) / int32_t(gridDim.x);
-  const int32_t j0 = int32_t(blockIdx.x) * per, j1 = j0 + per < received ? j0 + per : received;
-  for (int32_t b0 = j0; b0 < j1; b0 += kBatchRows) {
-    const int32_t rows = j1 - b0 < kBatchRows ? j1 - b0 : kBatchRows;
-    if (int32_t(threadIdx.x) < rows) prepare(int(threadIdx.x), b0 + int32_t(threadIdx.x));
+  const int32_t slices = int32_t(expert_row_slices(received, nvec, int(gridDim.x)));
+  const uint32_t width = (nvec + uint32_t(slices) - 1) / uint32_t(slices);
+  // Fits int32: slices <= blocks / received.
+  const int32_t units = received * slices, per = (units + int32_t(gridDim.x) - 1) / int32_t(gridDim.x);
+  const int32_t u0 = int32_t(blockIdx.x) * per, u1 = u0 + per < units ? u0 + per : units;
+  const int nw = kThreads / warp_size(), warp = int(threadIdx.x) / warp_size();
+  for (int32_t b0 = u0; b0 < u1; b0 += kBatchRows) {
+    const int32_t n = u1 - b0 < kBatchRows ? u1 - b0 : kBatchRows;
+    for (int r = warp; r < n; r += nw) prepare(r, (b0 + r) / slices, (b0 + r) % slices == 0);
     block_sync();
-    for_row_pieces(uint32_t(rows), nvec, [&](uint32_t r, const RowSpan& s) { row(int(r), b0 + int32_t(r), s); });
+    for_row_pieces(uint32_t(n), width, [&](uint32_t r, const RowSpan& s) {
+      const int32_t u = b0 + int32_t(r);
+      const uint32_t lo = uint32_t(u % slices) * width, end = lo + s.end < nvec ? lo + s.end : nvec;
+      row(int(r), u / slices, RowSpan{lo + s.first, s.stride, end, s.lead && lo == 0});
+    });
     block_sync();  // the batch's shared state is read before the next batch's prepare
   }
 }
@@ -280,6 +303,84 @@ RC_DEVICE RowSource received_row_source(const ExpertLayoutArgs& a, uint64_t heap
   return {src, scales};
 }
 
+// Received row j's pairs, by one warp (pair_slots' rule, a lane per slot):
+// each lane loads its slots' ids and weights at once, and shuffles over the
+// slots in order tell each slot whether it starts a pair (no earlier slot
+// names its expert), the pair's weight (its slots' weights summed in fp32
+// in slot order from the first) and its place among the row's pairs (the
+// pairs of smaller experts). The pair's row is the expert's offset, plus
+// its rows in earlier chunks, plus the chunk's earlier rows that have it;
+// pair_row[place] gets it and `kept` its bit, where it falls within
+// expert_rows (a prefix: rows grow with the expert, so only the last
+// experts' pairs can fall past it; -1 and no bit for the others). With
+// `writes`, the warp also writes the row's expert_rows_of (the places' rows
+// in order, then -1) and the pairs' weights.
+template <typename IdxT>
+RC_DEVICE void place_row_pairs(const ExpertLayoutArgs& a, const ExpertTables& t, int32_t j, bool writes,
+                               int32_t* pair_row, uint64_t* kept) {
+  const int ws = warp_size(), lane = lane_id(), K = int(a.topk);
+  const int64_t E = a.experts, w0 = int64_t(j) * K;
+  const IdxT* ids = static_cast<const IdxT*>(a.ids) + w0;
+  int32_t e[kSlotGroups];  // the slot's local expert; -1 for none (-1, past K, or outside [0, E))
+  float w[kSlotGroups], sum[kSlotGroups];
+  bool starts[kSlotGroups];
+#pragma unroll
+  for (int g = 0; g < kSlotGroups; ++g) {
+    const int k = g * ws + lane;
+    const IdxT id = k < K ? ids[k] : IdxT(-1);
+    e[g] = id >= 0 && int64_t(id) < E ? int32_t(id) : -1;
+    w[g] = a.weights && k < K ? load_as_float(a.weights, w0 + k, a.weights_dtype) : 0.f;
+    sum[g] = w[g];
+    starts[g] = e[g] >= 0;
+    if (k < K) pair_row[k] = -1;
+  }
+  warp_sync();  // every place's -1 is stored before a pair's row overwrites it
+#pragma unroll
+  for (int gi = 0; gi < kSlotGroups; ++gi)
+    for (int li = 0; li < ws && gi * ws + li < K; ++li) {
+      const int i = gi * ws + li;
+      const int32_t ei = warp_shfl(e[gi], li);
+      const float wi = __int_as_float(warp_shfl(__float_as_int(w[gi]), li));
+#pragma unroll
+      for (int g = 0; g < kSlotGroups; ++g) {
+        const int k = g * ws + lane;
+        if (e[g] < 0 || ei != e[g]) continue;
+        if (i < k) starts[g] = false;
+        else if (i > k) sum[g] += wi;
+      }
+    }
+  int place[kSlotGroups] = {};
+#pragma unroll
+  for (int gi = 0; gi < kSlotGroups; ++gi)
+    for (uint64_t m = gi * ws < K ? warp_ballot(starts[gi]) : 0; m != 0; m &= m - 1) {
+      const int32_t ei = warp_shfl(e[gi], lowest_bit(m));
+#pragma unroll
+      for (int g = 0; g < kSlotGroups; ++g) place[g] += ei < e[g];
+    }
+  const int64_t c = j / kChunkRows;
+  const uint32_t below = (1u << (j % kChunkRows)) - 1u;
+#pragma unroll
+  for (int g = 0; g < kSlotGroups; ++g) {
+    if (!starts[g]) continue;
+    const int64_t at = c * E + e[g];
+    const int64_t dest = int64_t(t.offsets[e[g]]) + (t.prefix ? t.prefix[at] : 0) + __popc(t.masks[at] & below);
+    if (dest >= a.expert_rows) continue;  // dropped, and raised at a later op (out_needed)
+    pair_row[place[g]] = int32_t(dest);
+    if (writes && a.weights) store_from_float(a.out_weights, dest, a.weights_dtype, sum[g]);
+  }
+  warp_sync();  // the pairs' rows are stored before the lanes read them back
+  uint64_t keep = 0;
+#pragma unroll
+  for (int g = 0; g < kSlotGroups; ++g) {
+    if (g * ws >= K) break;
+    const int k = g * ws + lane;
+    const int32_t row = k < K ? pair_row[k] : -1;
+    keep |= warp_ballot(row >= 0) << (g * ws);
+    if (writes && k < K) a.out_rows_of[w0 + k] = row;
+  }
+  if (lane == 0) *kept = keep;
+}
+
 // After the placement, the grid writes expert_rows_of of the rows not
 // received (-1), and the alignment padding rows that fit (zeros, their
 // scales and weights too), a warp per row: padding row i < alignment - 1
@@ -306,18 +407,13 @@ RC_DEVICE void place_unreceived_and_padding(const ExpertLayoutArgs& a, const Exp
   }
 }
 
-// Each received row's pairs get their rows (the expert's offset, plus its
-// rows in earlier chunks, plus the chunk's earlier rows that have it),
-// written to expert_rows_of in ascending expert order (then -1), and their
-// weights; then the row is loaded once, from x or where dispatch left it
-// (received_row_source), and stored to each of its pair rows (its scales
-// too). Then the rows not received and the alignment padding
-// (place_unreceived_and_padding).
+// Each received row's pairs get their rows (place_row_pairs); then the row
+// is loaded once, from x or where dispatch left it (received_row_source),
+// and stored to each of its pair rows (its scales too). Then the rows not
+// received and the alignment padding (place_unreceived_and_padding).
 template <typename IdxT, typename V>
 __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs a) {
-  // Row r of the batch: its pairs' rows, and which of them are kept (a
-  // prefix: rows grow with the expert, so only the last experts' pairs can
-  // fall past expert_rows).
+  // Slice r of the batch: its row's pairs' rows, and which of them are kept.
   __shared__ int32_t pair_row[kBatchRows][kMaxTopk];
   __shared__ uint64_t kept[kBatchRows];
   // And where its payload and scales are.
@@ -327,11 +423,9 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
   __shared__ uint32_t one_masks[kExpertOneChunkExperts];
   __shared__ int32_t one_offsets[kExpertOneChunkExperts + 1];
   __shared__ int32_t warp_tot[kMaxWarps];
-  const int K = int(a.topk);
-  const int64_t E = a.experts, n = a.expert_rows, S = a.scales_per_row, rb = a.row_bytes;
+  const int64_t E = a.experts, S = a.scales_per_row, rb = a.row_bytes;
   const int64_t nvec = rb / int64_t(sizeof(V));
   const int32_t received = rows_received(a.counts, a.world, a.rows);
-  const IdxT* ids = static_cast<const IdxT*>(a.ids);
   // The dispatch before this kernel on the stream stored its generation in
   // the counter at its end; the next dispatch starts after this kernel
   // (the GPU transport launches both in its stream order), and no peer
@@ -343,7 +437,7 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
   const bool one_chunk = expert_places_one_chunk(received, E);  // block-uniform
   ExpertTables tables{a.out_offsets, a.out_counts, a.chunk_masks, a.chunk_prefix};
   if (one_chunk) {
-    tally_one_chunk(ids, received, K, E, one_masks);
+    tally_one_chunk<IdxT>(a, received, one_masks);
     const bool outputs = blockIdx.x == 0;
     scan_expert_offsets(
         E, int32_t(a.alignment), [&](int64_t e) { return int32_t(__popc(one_masks[e])); },
@@ -365,45 +459,13 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
     block_sync();  // the offsets are read by every thread
     tables = {one_offsets, nullptr, one_masks, nullptr};
   }
-  auto prepare = [&](int r, int32_t j) {
-    const IdxT* row = ids + int64_t(j) * K;
-    int32_t* rows_of = a.out_rows_of + int64_t(j) * K;
-    const RowSource src = received_row_source(a, heap_gen, j);
-    src_row[r] = src.row;
-    src_scales[r] = src.scales;
-    const uint64_t slots = pair_slots(row, K, E);
-    const int64_t c = j / kChunkRows;
-    const uint32_t below = (1u << (j % kChunkRows)) - 1u;
-    uint64_t keep = 0;
-    // Every pair's offset, prefix and bitmask on their way to L1 before the
-    // pairs read them one at a time (global memory: not the tables of one chunk).
-    for (uint64_t m = one_chunk ? 0 : slots; m != 0; m &= m - 1) {
-      const int64_t e = row[lowest_bit(m)];
-      prefetch_l1(a.out_offsets + e);
-      prefetch_l1(a.chunk_prefix + c * E + e);
-      prefetch_l1(a.chunk_masks + c * E + e);
+  auto prepare = [&](int r, int32_t j, bool writes) {
+    if (lane_id() == 0) {
+      const RowSource src = received_row_source(a, heap_gen, j);
+      src_row[r] = src.row;
+      src_scales[r] = src.scales;
     }
-    for (uint64_t m = slots; m != 0; m &= m - 1) {
-      const int k = lowest_bit(m);
-      const int64_t e = row[k], at = c * E + e;
-      const int64_t dest = int64_t(tables.offsets[e]) + (tables.prefix ? tables.prefix[at] : 0) +
-                           __popc(tables.masks[at] & below);
-      if (dest >= n) continue;  // past expert_rows: dropped, and raised at a later op (out_needed)
-      int place = 0;            // the row's pairs of smaller experts
-      for (uint64_t o = slots; o != 0; o &= o - 1) place += row[lowest_bit(o)] < row[k];
-      pair_row[r][place] = int32_t(dest);
-      keep |= uint64_t(1) << place;
-      if (a.weights) {
-        // The pair's weight: its slots' weights summed in fp32 in slot order, from its first.
-        const int64_t w0 = int64_t(j) * K;
-        float w = load_as_float(a.weights, w0 + k, a.weights_dtype);
-        for (int i = k + 1; i < K; ++i)
-          if (row[i] == row[k]) w += load_as_float(a.weights, w0 + i, a.weights_dtype);
-        store_from_float(a.out_weights, dest, a.weights_dtype, w);
-      }
-    }
-    for (int p = 0; p < K; ++p) rows_of[p] = keep >> p & 1u ? pair_row[r][p] : -1;
-    kept[r] = keep;
+    place_row_pairs<IdxT>(a, tables, j, writes, pair_row[r], &kept[r]);
   };
   for_received_rows(received, uint32_t(nvec), prepare, [&](int r, int32_t j, const RowSpan& s) {
     auto row_at = [&](int p) { return a.out_x + int64_t(pair_row[r][p]) * rb; };
@@ -426,13 +488,16 @@ __global__ void __launch_bounds__(kThreads) expert_sum_kernel(ExpertSumArgs a, i
   const char* y = static_cast<const char*>(a.y);
   char* out = static_cast<char*>(a.out);
   const int32_t received = rows_received(a.counts, a.world, a.rows);
-  auto prepare = [&](int r, int32_t j) {
+  // The row's terms, a lane per slot (slot k is lane k % warp size's).
+  auto prepare = [&](int r, int32_t j, bool) {
+    const int ws = warp_size();
     uint64_t m = 0;
-    for (int k = 0; k < K; ++k) {
-      const int32_t p = a.rows_of[int64_t(j) * K + k];
-      if (p >= 0 && p < a.expert_rows) m |= uint64_t(1) << k;  // a forged value names no row
+    for (int g = 0; g * ws < K; ++g) {
+      const int k = g * ws + lane_id();
+      const int32_t p = k < K ? a.rows_of[int64_t(j) * K + k] : -1;
+      m |= warp_ballot(p >= 0 && p < a.expert_rows) << (g * ws);  // a forged value names no row
     }
-    terms[r] = m;
+    if (lane_id() == 0) terms[r] = m;
   };
   for_received_rows(received, row_vectors<D>(payload, vec), prepare, [&](int r, int32_t j, const RowSpan& s) {
     const int32_t* rows_of = a.rows_of + int64_t(j) * K;

@@ -216,6 +216,14 @@ RC_DEVICE int lowest_bit(uint64_t v) {
   return __ffsll(static_cast<long long>(v)) - 1;
 #endif
 }
+// Value of `v` on lane `src` of the warp.
+RC_DEVICE int32_t warp_shfl(int32_t v, int src) {
+#ifdef RC_HIP
+  return __shfl(v, src);
+#else
+  return __shfl_sync(0xffffffffu, v, src);
+#endif
+}
 // Value of `v` on lane (this lane ^ mask) of the warp.
 RC_DEVICE int32_t warp_shfl_xor(int32_t v, int mask) {
 #ifdef RC_HIP
