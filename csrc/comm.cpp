@@ -115,20 +115,32 @@ bool capturing(const at::Device& dev) {
 }
 }  // namespace
 
+at::Tensor Comm::check_output(int64_t n) const {
+  const at::Device dev = device();
+  if (dev.is_cuda() && !capturing(dev)) return at::empty({n}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+  return empty({n}, at::kInt);
+}
+
 void Comm::defer_check(std::initializer_list<at::Tensor> values, std::function<void(const int32_t*)> check) {
-  const at::Device dev = values.begin()->device();
+  const at::Device dev = device();
   if (capturing(dev)) return;
-  int64_t n = 0;
-  for (const at::Tensor& t : values) n += t.numel();
-  DeferredCheck c{at::empty({n}, at::TensorOptions().dtype(at::kInt).pinned_memory(dev.is_cuda())), c10::nullopt,
-                  std::move(check)};
-  if (dev.is_cuda()) c.landed.emplace(dev.type());
-  int64_t at = 0;
-  for (const at::Tensor& t : values) {
-    c.host.narrow(0, at, t.numel()).copy_(t.reshape(-1), /*non_blocking=*/dev.is_cuda());
-    at += t.numel();
+  DeferredCheck c{*values.begin(), c10::nullopt, std::move(check)};
+  if (values.size() > 1 || !c.host.is_cpu()) {
+    int64_t n = 0;
+    for (const at::Tensor& t : values) n += t.numel();
+    c.host = at::empty({n}, at::TensorOptions().dtype(at::kInt).pinned_memory(dev.is_cuda()));
+    int64_t at = 0;
+    for (const at::Tensor& t : values) {
+      c.host.narrow(0, at, t.numel()).copy_(t.reshape(-1), /*non_blocking=*/dev.is_cuda());
+      at += t.numel();
+    }
   }
-  if (c.landed) c.landed->record(c10::impl::VirtualGuardImpl(dev.type()).getStream(dev));
+  if (dev.is_cuda()) {
+    // The host reads the values once the op's stream has passed the kernels
+    // that store them, or the copy.
+    c.landed.emplace(dev.type());
+    c.landed->record(c10::impl::VirtualGuardImpl(dev.type()).getStream(dev));
+  }
   deferred_.push_back(std::move(c));
 }
 

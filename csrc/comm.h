@@ -265,10 +265,15 @@ class Comm {
                             const at::Tensor& dispatch_round, at::Tensor& out) = 0;
 
   // Checks of values an op computed on the device, without a host
-  // synchronisation: `values` (int32) are copied to host memory behind the
-  // op (pinned, on the op's stream, on a GPU) and check(host copy) runs at
-  // the first run_deferred_checks() after the copy has landed. Not under a
-  // graph capture (a replay's copy lands when the host does not look).
+  // synchronisation: check(values) runs at the first run_deferred_checks()
+  // after the op's stream has passed the op. `values` (int32): one
+  // check_output(n), which in an eager call on a GPU is pinned host memory
+  // that the op's kernels store into (no copy on the stream), or device
+  // tensors, copied behind the op into pinned host memory. Not under a
+  // graph capture (a replay's values land when the host does not look);
+  // there check_output is device memory, which the graph keeps for its
+  // replays.
+  at::Tensor check_output(int64_t n) const;
   void defer_check(std::initializer_list<at::Tensor> values, std::function<void(const int32_t*)> check);
   // The deferred check of an expert-layout dispatch: `needed` ([1] int32)
   // rows must fit expert_rows.
@@ -340,7 +345,7 @@ class Comm {
  private:
   struct DeferredCheck {
     at::Tensor host;
-    c10::optional<c10::Event> landed;  // none: the values were on the CPU
+    c10::optional<c10::Event> landed;  // none: a CPU op wrote them
     std::function<void(const int32_t*)> check;
   };
   std::deque<DeferredCheck> deferred_;  // oldest first

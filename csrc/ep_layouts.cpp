@@ -89,7 +89,7 @@ ExpertDispatched Comm::dispatch_expert(const at::Tensor& x, const c10::optional<
   out.expert_offsets = empty_output(specs.expert_offsets, 0);
   out.expert_rows_of = empty_output(specs.expert_rows_of, 0);
   if (cfg_.fp8()) out.x_scales = empty_output(specs.x_scales, 0);
-  const at::Tensor needed = empty({1}, at::kInt);
+  const at::Tensor needed = check_output(1);
   place_expert_rows(d, out, needed);
   check_expert_rows_later(needed);
   out.recv_src = d.recv_src;

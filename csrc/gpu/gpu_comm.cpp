@@ -88,6 +88,12 @@ ExpertPlacement expert_placement(const Dispatched& d, int64_t experts, int64_t a
   a.out_offsets = out.expert_offsets.data_ptr<int32_t>();
   a.out_rows_of = out.expert_rows_of.data_ptr<int32_t>();
   a.out_needed = needed.data_ptr<int32_t>();
+  if (needed.is_cpu()) {
+    // Pinned host memory (Comm::check_output), which the kernels store into.
+    void* view = nullptr;
+    RC_GPU_CHECK(host_device_pointer(&view, needed.data_ptr()));
+    a.out_needed = static_cast<int32_t*>(view);
+  }
   return {a, std::move(scratch)};
 }
 
