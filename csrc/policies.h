@@ -206,15 +206,16 @@ RC_HD EpGrid combine_grid(int64_t ntok, int world, int sm_count) {
 // (chunk, local expert): that bitmask, and the rows of the earlier chunks
 // that have the expert. Its tally takes a chunk per warp; its placement
 // (with the row copies) and its sums split the rows received among the
-// blocks, each row cut into slices of at least kExpertSliceVectors vectors
+// blocks, each row cut into slices of about kExpertSliceBytes or more
 // where the grid has more blocks than rows (expert_row_slices), so that a
 // few rows (a decode step) still spread over every multiprocessor; the
 // placement also zeroes the alignment padding, a warp per padding row an
 // expert can have (experts * (alignment - 1) of them at most). Each grid is
 // at least one block and at most kExpertBlocksPerSm blocks per
 // multiprocessor, sized for the most rows (rows = W * cap) and padding rows;
-// the rows received and the padding are known on the device alone, and the
-// blocks with none left return at once.
+// the rows received and the padding are known on the device alone (each
+// placement block still tallies a chunk of them for itself, and the blocks
+// with no rows left skip to the padding).
 //
 // Rows received that fit one chunk (a decode step) take one kernel: each
 // placement block tallies the chunk and computes the offsets itself, in
@@ -236,12 +237,17 @@ RC_HD int expert_chunk_blocks(int64_t rows, int sm_count) {
 RC_HD int expert_row_blocks(int64_t rows, int sm_count) {
   return clamp_blocks(rows > sm_count ? rows : sm_count, kExpertBlocksPerSm * sm_count);
 }
-constexpr int64_t kExpertSliceVectors = 64;
-// Slices per received row of `vectors` vectors, over a grid of `blocks`.
-RC_HD int64_t expert_row_slices(int64_t received, int64_t vectors, int blocks) {
-  const int64_t by_blocks = blocks / (received > 1 ? received : 1), by_size = vectors / kExpertSliceVectors;
-  const int64_t slices = by_blocks < by_size ? by_blocks : by_size;
-  return slices > 1 ? slices : 1;
+constexpr int64_t kExpertSliceBytes = 1024;
+// Slices per received row of `row_bytes` bytes in `vectors` vectors, over a
+// grid of `blocks`: as many as the blocks per row and kExpertSliceBytes
+// allow, each ceil(vectors / slices) vectors (the last one shorter), and no
+// slice left empty by that rounding.
+RC_HD int64_t expert_row_slices(int64_t received, int64_t row_bytes, int64_t vectors, int blocks) {
+  const int64_t by_blocks = blocks / (received > 1 ? received : 1), by_size = row_bytes / kExpertSliceBytes;
+  const int64_t most = by_blocks < by_size ? by_blocks : by_size;
+  if (most <= 1 || vectors <= 1) return 1;
+  const int64_t width = ceil_div(vectors, most);
+  return ceil_div(vectors, width);
 }
 RC_HD int expert_place_blocks(int64_t rows, int64_t experts, int64_t alignment, int sm_count) {
   const int64_t padding_blocks = ceil_div(experts * (alignment - 1), kGpuBlockThreads / kExpertChunkRows);

@@ -166,33 +166,40 @@ def test_expert_layout_grids_cover_the_rows_and_stay_within_four_blocks_per_mult
         assert chunks == ceil_div(rows, chunk_rows)
         assert _C.testing.expert_chunk_blocks(rows, sms) == min(ceil_div(chunks, warps), 4 * sms)
         assert _C.testing.expert_row_blocks(rows, sms) == min(max(rows, sms), 4 * sms)
-    # A decode step on a prefill-sized capacity: its 8 rows take 8 blocks of the grid.
-    assert _C.testing.expert_row_blocks(4096, H200_SMS) >= 8
+    # A decode step on a prefill-sized capacity spreads over the whole grid.
+    assert _C.testing.expert_row_blocks(4096, H200_SMS) == 4 * H200_SMS
 
 
 @pytest.mark.parametrize("sms", [1, 8, H200_SMS])
 def test_expert_rows_are_sliced_so_a_few_rows_spread_over_the_grid(sms):
     # A grid with more blocks than rows received cuts each row into slices
-    # of at least expert_slice_vectors vectors, a block's share each: as
-    # many as the blocks allow, never more than the row's vectors allow.
-    least = _C.testing.expert_slice_vectors
-    assert least == 64
+    # of ceil(vectors / slices) vectors, a block's share each: as many as
+    # the blocks allow and slices of about expert_slice_bytes allow, and
+    # none left empty by the rounding.
+    least = _C.testing.expert_slice_bytes
+    assert least == 1024
     for cap_rows in (8, 32, 4096, 8 * 4096):
         blocks = _C.testing.expert_row_blocks(cap_rows, sms)
         for received in (0, 1, 8, 33, 512, 4096):
             if received > cap_rows:
                 continue
-            for vectors in (1, 63, 64, 896, 7168 * 2 // 16, 1 << 16):
-                slices = _C.testing.expert_row_slices(received, vectors, blocks)
-                assert slices == max(1, min(blocks // max(received, 1), vectors // least)), (received, vectors)
-                assert slices == 1 or (received * slices <= blocks and vectors // slices >= least)
-    # A decode step (8 rows of H = 7168 bf16: 896 16-byte vectors) on an
-    # H200 takes 8 * 14 = 112 of the 132 blocks, on either capacity.
+            # (row bytes, vectors): 16-byte vectors, bf16 elements, bytes.
+            for row_bytes, vectors in ((1, 1), (1024, 64), (2047, 2047), (14336, 896), (14336, 7168), (7168, 7168),
+                                       (1 << 20, 1 << 16), (67600, 4225)):
+                slices = _C.testing.expert_row_slices(received, row_bytes, vectors, blocks)
+                most = max(1, min(blocks // max(received, 1), row_bytes // least))
+                assert 1 <= slices <= most, (received, row_bytes, vectors)
+                width = ceil_div(vectors, slices)
+                assert (slices - 1) * width < vectors  # the last slice has vectors
+                if most > 1 and vectors > 1:
+                    assert width == ceil_div(vectors, most)
+    # A decode step (8 rows of H = 7168 bf16: 14336 bytes in 896 16-byte
+    # vectors) on an H200 takes 8 * 14 = 112 of the grid's blocks, on
+    # either capacity; a prefill's rows are not sliced.
     for cap_rows in (8, 4096):
         blocks = _C.testing.expert_row_blocks(cap_rows, H200_SMS)
-        assert 8 * _C.testing.expert_row_slices(8, 896, blocks) == 112
-    # A prefill's rows are not sliced.
-    assert _C.testing.expert_row_slices(4096, 896, _C.testing.expert_row_blocks(4096, H200_SMS)) == 1
+        assert 8 * _C.testing.expert_row_slices(8, 14336, 896, blocks) == 112
+    assert _C.testing.expert_row_slices(4096, 14336, 896, _C.testing.expert_row_blocks(4096, H200_SMS)) == 1
 
 
 @pytest.mark.parametrize("sms", [1, 8, H200_SMS])

@@ -18,10 +18,10 @@
 //  2. offsets, one block: per expert, the rows of the earlier chunks that
 //     have it (chunk_prefix), its count, the aligned offsets, the rows needed;
 //  3. place: a share of the received rows' slices per block
-//     (for_received_rows). A warp per row gives its pairs their rows and
-//     writes expert_rows_of and the weights, then the block copies the
-//     rows, each loaded once and stored to each of its pair rows; then the
-//     alignment padding.
+//     (for_received_rows). A warp per slice gives its row's pairs their
+//     rows (the row's first slice also writes expert_rows_of and the
+//     weights), then the block copies its slices, each vector loaded once
+//     and stored to each of the row's pair rows; then the alignment padding.
 // Rows received that fit one chunk (expert_places_one_chunk) skip 1 and 2:
 // each placement block runs them itself on its own shared copy of the
 // tables (block 0 writes the outputs), so a decode step pays one kernel.
@@ -220,8 +220,8 @@ struct ExpertTables {
 // The one chunk's tally, by every thread of the block: thread j < received
 // sets bit j of the mask of each local expert that its row has. (The tally
 // kernel's rule, for one chunk: pair_slots keeps the ids within [0, E).)
-// Row j's weights and source, which the placement reads next, are on their
-// way to L1 meanwhile.
+// The first line of row j's weights and its recv_src value, which the
+// placement reads next, are on their way to L1 meanwhile.
 template <typename IdxT>
 RC_DEVICE void tally_one_chunk(const ExpertLayoutArgs& a, int32_t received, uint32_t* masks) {
   const int K = int(a.topk);
@@ -231,7 +231,7 @@ RC_DEVICE void tally_one_chunk(const ExpertLayoutArgs& a, int32_t received, uint
   if (int32_t(threadIdx.x) < received) {
     const int64_t j = threadIdx.x;
     if (a.weights) prefetch_l1(static_cast<const char*>(a.weights) + j * K * dtype_bytes(a.weights_dtype));
-    prefetch_l1(a.recv_src + j);
+    if (a.heap_gen && a.own_x) prefetch_l1(a.recv_src + j);  // read where received_row_source reads it
     const IdxT* row = static_cast<const IdxT*>(a.ids) + j * K;
     for (uint64_t m = pair_slots(row, K, E); m != 0; m &= m - 1)
       atomicOr(&masks[row[lowest_bit(m)]], 1u << threadIdx.x);
@@ -239,9 +239,10 @@ RC_DEVICE void tally_one_chunk(const ExpertLayoutArgs& a, int32_t received, uint
   block_sync();
 }
 
-// The received rows of nvec vectors, each cut into `slices` runs of
-// `width` vectors (the last shorter; expert_row_slices), and block b of the
-// grid takes a contiguous share of those slices, kBatchRows at a time:
+// The received rows of row_bytes bytes in nvec vectors, each cut into
+// `slices` runs of `width` vectors (the last one shorter; expert_row_slices),
+// and block b of the grid takes a contiguous share of those slices,
+// kBatchRows at a time:
 // warp w runs prepare(r, j, writes) with all its lanes for slices r = w, w
 // + warps, ... of the batch (j: the slice's row; `writes`: the row's first
 // slice, whose block alone writes the row's outputs), shared state for the
@@ -250,10 +251,10 @@ RC_DEVICE void tally_one_chunk(const ExpertLayoutArgs& a, int32_t received, uint
 // row's, and it leads only from the row's first vector).
 constexpr int kBatchRows = kChunkRows;
 template <typename Prepare, typename Row>
-RC_DEVICE void for_received_rows(int32_t received, uint32_t nvec, Prepare prepare, Row row) {
-  const int32_t slices = int32_t(expert_row_slices(received, nvec, int(gridDim.x)));
+RC_DEVICE void for_received_rows(int32_t received, int64_t row_bytes, uint32_t nvec, Prepare prepare, Row row) {
+  const int32_t slices = int32_t(expert_row_slices(received, row_bytes, nvec, int(gridDim.x)));
   const uint32_t width = (nvec + uint32_t(slices) - 1) / uint32_t(slices);
-  // Fits int32: slices <= blocks / received.
+  // Fits int32: the received rows, or at most the blocks where slices > 1.
   const int32_t units = received * slices, per = (units + int32_t(gridDim.x) - 1) / int32_t(gridDim.x);
   const int32_t u0 = int32_t(blockIdx.x) * per, u1 = u0 + per < units ? u0 + per : units;
   const int nw = kThreads / warp_size(), warp = int(threadIdx.x) / warp_size();
@@ -467,7 +468,7 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
     }
     place_row_pairs<IdxT>(a, tables, j, writes, pair_row[r], &kept[r]);
   };
-  for_received_rows(received, uint32_t(nvec), prepare, [&](int r, int32_t j, const RowSpan& s) {
+  for_received_rows(received, rb, uint32_t(nvec), prepare, [&](int r, int32_t j, const RowSpan& s) {
     auto row_at = [&](int p) { return a.out_x + int64_t(pair_row[r][p]) * rb; };
     copy_row<V, true>(src_row[r], row_at, kept[r], s);
     if (src_scales[r] && s.lead)
@@ -499,13 +500,15 @@ __global__ void __launch_bounds__(kThreads) expert_sum_kernel(ExpertSumArgs a, i
     }
     if (lane_id() == 0) terms[r] = m;
   };
-  for_received_rows(received, row_vectors<D>(payload, vec), prepare, [&](int r, int32_t j, const RowSpan& s) {
+  const uint32_t nvec = row_vectors<D>(payload, vec);
+  const int64_t vector_bytes = payload / nvec;
+  for_received_rows(received, payload, nvec, prepare, [&](int r, int32_t j, const RowSpan& s) {
     const int32_t* rows_of = a.rows_of + int64_t(j) * K;
     auto row_of = [&](int k) { return y + int64_t(rows_of[k]) * payload; };
     // The terms' first lines of this lane's span are on their way before
     // the sum reads them a term at a time.
     for (uint64_t m = terms[r]; m != 0; m &= m - 1)
-      prefetch_l1(row_of(lowest_bit(m)) + int64_t(s.first) * vec);
+      prefetch_l1(row_of(lowest_bit(m)) + int64_t(s.first) * vector_bytes);
     with_row_vector<D>(vec, [&](auto tag) {
       sum_row<D, typename decltype(tag)::type, kSumTermsInFlight>(row_of, terms[r], out + int64_t(j) * payload, s);
     });
