@@ -241,6 +241,15 @@ class Comm {
   const std::array<int64_t, kNumRmsNormPaths + 1>& rmsnorm_path_counts() const { return rmsnorm_counts_; }
 
  protected:
+  // combine_expert after its checks: each received row's pair rows of the
+  // expert-layout y summed into a rank-layout y ([W*cap, H]: on the host
+  // for CPU tensors, else sum_expert_rows_on_gpu), which combine_impl then
+  // takes. A transport whose combine kernel sums the pair rows where it
+  // reads each row overrides it.
+  virtual at::Tensor combine_expert_checked(const at::Tensor& y, const at::Tensor& expert_rows_of,
+                                            const at::Tensor& recv_src, const at::Tensor& counts,
+                                            const at::Tensor& src_tokens, const at::Tensor& send_mask,
+                                            const at::Tensor& dispatch_round);
   // Called with validated, contiguous arguments. all_reduce runs chunk by
   // chunk: n elements of dtype st (at most allreduce_chunk_elems), W > 1.
   virtual void all_reduce_chunk(at::ScalarType st, const char* in, char* out, int64_t n, bool one_shot) = 0;

@@ -200,12 +200,21 @@ at::Tensor Comm::combine_expert(const at::Tensor& y, const at::Tensor& expert_ro
   check_shape(op, "handle.expert_rows_of", expert_rows_of, {R, K}, "[world_size * max_tokens_per_rank, topk]");
   // counts picks the rows summed: its device, dtype and shape first.
   check_handle_fields(op, recv_src, counts, src_tokens, send_mask, dispatch_round);
+  call_ = combine_call(true, 0);
+  return combine_expert_checked(y.contiguous(), expert_rows_of.contiguous(), recv_src, counts, src_tokens, send_mask,
+                                dispatch_round);
+}
+
+at::Tensor Comm::combine_expert_checked(const at::Tensor& yc, const at::Tensor& of, const at::Tensor& recv_src,
+                                        const at::Tensor& counts, const at::Tensor& src_tokens,
+                                        const at::Tensor& send_mask, const at::Tensor& dispatch_round) {
+  const int64_t n = cfg_.expert_rows(), R = int64_t(cfg_.world) * cfg_.cap, K = cfg_.topk;
   // Each received row: its expert rows summed in fp32 in ascending expert
   // order, from the first, rounded once. A value outside [0, n) (a forged
   // handle) names no row, and a forged count reads no row outside [0, R):
   // combine raises for it.
-  const at::Tensor rows = empty({R, cfg_.hidden}, cfg_.dtype), yc = y.contiguous(), of = expert_rows_of.contiguous();
-  if (y.is_cpu()) {
+  const at::Tensor rows = empty({R, cfg_.hidden}, cfg_.dtype);
+  if (yc.is_cpu()) {
     const int64_t received = std::min(std::max(received_rows(counts), int64_t(0)), R), H = cfg_.hidden;
     const int32_t* rows_of = of.data_ptr<int32_t>();
     std::vector<float> acc(static_cast<size_t>(H));
@@ -234,8 +243,7 @@ at::Tensor Comm::combine_expert(const at::Tensor& y, const at::Tensor& expert_ro
                 "build has none (built without CUDA or ROCm): rebuild it with a GPU build of torch (README.md)");
 #endif
   }
-  // rows is this op's own, and the handle's fields were checked above.
-  call_ = combine_call(true, 0);
+  // rows is this op's own, and the handle's fields were checked before.
   return combine_checked(rows, recv_src, counts, src_tokens, send_mask, dispatch_round);
 }
 

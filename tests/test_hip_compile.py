@@ -189,8 +189,10 @@ def test_every_kernel_is_there(gfx1201_asm):
     # with 16-byte and 2-byte row vectors; and FP8 rows, quantised or a
     # pair's, for int32 and int64 ids, with 16-byte and 1-byte row vectors.
     assert len([n for n in kernels(gfx1201_asm["dispatch.cu"]) if "dispatch_kernel" in n]) == 8 + 8
-    # One combine kernel per dtype and sum loop (8 vectors a lane in flight, or 2: combine_sums_short).
-    assert len([n for n in kernels(gfx1201_asm["combine.cu"]) if "combine_kernel" in n]) == 3 * 2
+    # One combine kernel per dtype and sum loop (8 vectors a lane in flight,
+    # or 2: combine_sums_short), and per dtype one that sums an expert
+    # layout's pair rows (with the short loop).
+    assert len([n for n in kernels(gfx1201_asm["combine.cu"]) if "combine_kernel" in n]) == 3 * 2 + 3
     # The expert layout's placement for int32 and int64 ids with 16-byte and
     # 1-byte row vectors; its sums, one kernel per dtype.
     expert = " ".join(kernels(gfx1201_asm["expert_layout.cu"]))

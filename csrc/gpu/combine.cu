@@ -1,12 +1,14 @@
 // combine: sender blocks return every received row to its source's inbox;
 // receiver blocks sum this rank's tokens over their destination ranks, own
-// contributions straight from y.
+// contributions straight from y. An expert layout's received row is the
+// sum of its pair rows of y (CombineArgs::rows_of), summed where it is read.
 #include <type_traits>
 
 #include "../bounds.h"
 #include "../error_words.h"
 #include "../flags.h"
 #include "../policies.h"
+#include "device/pair_rows.cuh"
 #include "device/rows.cuh"
 #include "device/routing.cuh"
 #include "device/sync.cuh"
@@ -124,12 +126,13 @@ RC_DEVICE void peer_chunk_starts(const Env& env, const CombineArgs& a, CombineSh
 
 // Rows go back to their source's inbox, a group of (source, chunk) items at a
 // time, their rows as one batch; each item's flag follows its rows.
+template <DType D, bool kPairs>
 RC_DEVICE void combine_sender(const Env& env, const CombineArgs& a, CombineShared& sh, uint64_t gen, int b,
                               int nblocks, int vec) {
   const Layout& L = env.layout;
-  const int me = env.rank, W = env.world, tid = threadIdx.x;
+  const int me = env.rank, W = env.world, tid = threadIdx.x, K = int(a.topk);
   const int64_t payload = L.hidden * L.elt, cap = L.cap;
-  const uint32_t nvec = copy_vectors(payload, vec);
+  const uint32_t nvec = kPairs ? row_vectors<D>(payload, vec) : copy_vectors(payload, vec);
   const char* y = static_cast<const char*>(a.y);
   check_recv_src(env, a, sh.src, b, nblocks);
   peer_chunk_starts(env, a, sh);
@@ -158,8 +161,15 @@ RC_DEVICE void combine_sender(const Env& env, const CombineArgs& a, CombineShare
       const int64_t j = sh.item_lo[g] + k;
       const int64_t t = row_token(a, sh.src, cap, s, j);
       if (t < 0) return;
-      auto inbox_row = [&](int) { return L.combine_row(env.data[s], gen, me, t); };
-      with_copy_vector(vec, [&](auto tag) { copy_row<typename decltype(tag)::type, true>(y + j * payload, inbox_row, 1u, rs); });
+      char* inbox = L.combine_row(env.data[s], gen, me, t);
+      if (kPairs) {
+        const int32_t* rows_of = a.rows_of + j * K;
+        sum_pair_rows<D, kPairTermsInFlight>(y, payload, rows_of, pair_terms(rows_of, K, a.expert_rows), inbox, vec, rs);
+        return;
+      }
+      with_copy_vector(vec, [&](auto tag) {
+        copy_row<typename decltype(tag)::type, true>(y + j * payload, [&](int) { return inbox; }, 1u, rs);
+      });
     });
     block_sync();
     if (tid < G && sh.item_src[tid] >= 0)
@@ -233,13 +243,13 @@ RC_DEVICE int32_t own_rows_before(const Env& env, const CombineArgs& a, const Ow
 // flag from peer r, then the group's tokens in the range are summed in
 // batches of a block.
 static_assert(kMaxGpuWorld * kMaxGroup <= kThreads, "combine waiters fit a block");
-template <DType D, int kSumUnroll>
+template <DType D, int kSumUnroll, bool kPairs>
 RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineShared& sh, const Round& round,
                                 const OwnRange& range, const FirstReads& first, const RowPieces& first_pieces,
                                 int vec) {
   const Layout& L = env.layout;
   const uint64_t gen = round.gen;
-  const int me = env.rank, W = env.world, tid = threadIdx.x;
+  const int me = env.rank, W = env.world, tid = threadIdx.x, K = int(a.topk);
   const int32_t t0 = range.t0, t1 = range.t1, C = range.chunk_tokens, nt = kThreads;
   const int G = range.group;
   const int64_t payload = L.hidden * L.elt;
@@ -279,11 +289,23 @@ RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineSha
       const RowPieces pieces = b0 == t0 ? first_pieces : row_pieces(uint32_t(batch), nsum);
       for_row_pieces(pieces, nsum, [&](uint32_t i, const RowSpan& s) {
         const int64_t tok = b0 + int32_t(i), own_row = sh.own_row[i];
+        char* out_row = out + tok * payload;
+        // An expert layout's own contribution: its pair rows summed into
+        // the output row first, where the sum below reads it back (each
+        // lane reads the vectors it stored, the spans being the same).
+        const bool own_pairs = kPairs && (sh.batch_mask[i] >> me & 1u);
+        if (own_pairs) {
+          const int32_t* rows_of = a.rows_of + own_row * K;
+          sum_pair_rows<D, kPairTermsInFlight>(y, payload, rows_of, pair_terms(rows_of, K, a.expert_rows), out_row, vec, s);
+          // A token of this rank alone: that sum is its output (a value the
+          // sum below would round again, to itself).
+          if (sh.batch_mask[i] == 1u << me) return;
+        }
         auto row_of = [&](int rr) {
-          return rr == me ? y + own_row * payload : L.combine_row(env.data[me], gen, rr, tok);
+          return rr != me ? L.combine_row(env.data[me], gen, rr, tok) : own_pairs ? out_row : y + own_row * payload;
         };
         with_row_vector<D>(vec, [&](auto tag) {
-          sum_row<D, typename decltype(tag)::type, 1, kSumUnroll>(row_of, sh.batch_mask[i], out + tok * payload, s);
+          sum_row<D, typename decltype(tag)::type, 1, kSumUnroll>(row_of, sh.batch_mask[i], out_row, s);
         });
       });
       block_sync();
@@ -291,10 +313,12 @@ RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineSha
   }
 }
 
-// One kernel per dtype and sum loop (kRowUnroll, or kShortUnroll where
-// combine_sums_short): the receivers' sum loop takes the registers that one
-// dtype's loop leaves, not the most of three.
-template <DType D, int kSumUnroll>
+// One kernel per dtype, sum loop (kRowUnroll, or kShortUnroll where
+// combine_sums_short) and y (kPairs: an expert layout's, CombineArgs::
+// rows_of): the receivers' sum loop takes the registers that one dtype's
+// loop leaves, not the most of three, and the rank layout's kernels carry
+// no pair sums. The pair sums leave the registers of kShortUnroll's loop.
+template <DType D, int kSumUnroll, bool kPairs>
 __global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs a, EpLaunch lp) {
   __shared__ CombineShared sh;
   // Loaded first: the call word of the round needs it (calls.h).
@@ -329,9 +353,9 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs 
     block_sync();
   }
   if (!receiver) {
-    combine_sender(env, a, sh, gen, blockIdx.x, lp.send_blocks, lp.vec);
+    combine_sender<D, kPairs>(env, a, sh, gen, blockIdx.x, lp.send_blocks, lp.vec);
   } else if (counts_ok) {
-    combine_receiver<D, kSumUnroll>(env, a, sh, round, range, first, pieces, lp.vec);
+    combine_receiver<D, kSumUnroll, kPairs>(env, a, sh, round, range, first, pieces, lp.vec);
   }
   finish_op(env, kOpCombine, gen);
 }
@@ -348,9 +372,10 @@ void launch_combine(const Env& env, const CombineArgs& a, Stream s) {
   with_dtype(a.dtype, [&](auto dtype) {
     constexpr DType D = decltype(dtype)::value;
     // The sum loop's vectors of a row, as the receivers count them.
-    if (combine_sums_short(lp.own_block_tokens, row_vectors<D>(payload, lp.vec)))
-      launch("combine", combine_kernel<D, kShortUnroll>, blocks, s, env, a, lp);
-    else launch("combine", combine_kernel<D, kRowUnroll>, blocks, s, env, a, lp);
+    const bool short_sums = combine_sums_short(lp.own_block_tokens, row_vectors<D>(payload, lp.vec));
+    auto go = [&](auto kernel) { launch("combine", kernel, blocks, s, env, a, lp); };
+    if (a.rows_of) go(combine_kernel<D, kShortUnroll, true>);
+    else short_sums ? go(combine_kernel<D, kShortUnroll, false>) : go(combine_kernel<D, kRowUnroll, false>);
   });
 }
 

@@ -2,7 +2,8 @@
 // ep_layouts.cpp runs the same rule on the host for CPU tensors): a
 // rank-layout dispatch result's received rows grouped by local expert
 // (launch_expert_layout), and the pair-row sums that take an expert-layout y
-// back to rank-layout rows (launch_expert_sum). Plain stream-ordered
+// back to rank-layout rows (launch_expert_sum: the dist transport's; the
+// GPU transport's combine sums the pair rows itself). Plain stream-ordered
 // kernels: they wait for no flag, so they need no co-residency; the GPU
 // transport's placement reads the rows where dispatch left them (heap_gen):
 // the peers' in its heap, this rank's own in dispatch's input (or in its
@@ -30,6 +31,7 @@
 
 #include "../bounds.h"
 #include "../policies.h"
+#include "device/pair_rows.cuh"
 #include "device/rows.cuh"
 
 namespace rdna4_comm {
@@ -44,9 +46,6 @@ static_assert(kMaxTopk % kMinWarpSize == 0, "a row's slots fill whole groups of 
 constexpr int kSlotGroups = kMaxTopk / kMinWarpSize;
 // Experts per pass over a warp's shared bitmasks in the tally.
 constexpr int kExpertTile = 256;
-// Pair rows of a sum loaded together (sum_row): a row has up to K of them,
-// where a rank-layout row has one per rank.
-constexpr int kSumTermsInFlight = 4;
 
 // The rows received: the sum of counts, clamped to [0, rows] (a combine
 // handle's counts are user input; the combine after the sums raises for bad ones).
@@ -478,9 +477,8 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
   place_unreceived_and_padding<V>(a, tables, received, nvec);
 }
 
-// Each received row of the rank layout: its pair rows of y (the valid
-// values of its expert_rows_of, in their order: ascending expert) summed
-// as sum_row sums (fp32 from the first, rounded once; zeros for none).
+// Each received row of the rank layout: its pair rows of y summed
+// (pair_rows.cuh), for the transports whose combine takes rank-layout rows.
 template <DType D>
 __global__ void __launch_bounds__(kThreads) expert_sum_kernel(ExpertSumArgs a, int vec) {
   __shared__ uint64_t terms[kBatchRows];
@@ -489,15 +487,8 @@ __global__ void __launch_bounds__(kThreads) expert_sum_kernel(ExpertSumArgs a, i
   const char* y = static_cast<const char*>(a.y);
   char* out = static_cast<char*>(a.out);
   const int32_t received = rows_received(a.counts, a.world, a.rows);
-  // The row's terms, a lane per slot (slot k is lane k % warp size's).
   auto prepare = [&](int r, int32_t j, bool) {
-    const int ws = warp_size();
-    uint64_t m = 0;
-    for (int g = 0; g * ws < K; ++g) {
-      const int k = g * ws + lane_id();
-      const int32_t p = k < K ? a.rows_of[int64_t(j) * K + k] : -1;
-      m |= warp_ballot(p >= 0 && p < a.expert_rows) << (g * ws);  // a forged value names no row
-    }
+    const uint64_t m = pair_terms(a.rows_of + int64_t(j) * K, K, a.expert_rows);
     if (lane_id() == 0) terms[r] = m;
   };
   const uint32_t nvec = row_vectors<D>(payload, vec);
@@ -509,9 +500,7 @@ __global__ void __launch_bounds__(kThreads) expert_sum_kernel(ExpertSumArgs a, i
     // the sum reads them a term at a time.
     for (uint64_t m = terms[r]; m != 0; m &= m - 1)
       prefetch_l1(row_of(lowest_bit(m)) + int64_t(s.first) * vector_bytes);
-    with_row_vector<D>(vec, [&](auto tag) {
-      sum_row<D, typename decltype(tag)::type, kSumTermsInFlight>(row_of, terms[r], out + int64_t(j) * payload, s);
-    });
+    sum_pair_rows<D, kRowUnroll>(y, payload, rows_of, terms[r], out + int64_t(j) * payload, vec, s);
   });
 }
 

@@ -303,10 +303,31 @@ class GpuComm final : public Comm {
   void combine_impl(const at::Tensor& y, const at::Tensor& recv_src, const at::Tensor& counts,
                     const at::Tensor& src_tokens, const at::Tensor& send_mask, const at::Tensor& dispatch_round,
                     at::Tensor& out) override {
+    launch_combine_of(y, nullptr, recv_src, counts, src_tokens, send_mask, dispatch_round, out);
+  }
+
+  // The combine kernel sums an expert layout's pair rows itself: no
+  // [W*cap, H] of sums written and read back, and no kernel for them.
+  at::Tensor combine_expert_checked(const at::Tensor& y, const at::Tensor& expert_rows_of, const at::Tensor& recv_src,
+                                    const at::Tensor& counts, const at::Tensor& src_tokens,
+                                    const at::Tensor& send_mask, const at::Tensor& dispatch_round) override {
+    at::Tensor out = empty_output(combine_output(), send_mask.size(0));
+    launch_combine_of(y, &expert_rows_of, recv_src, counts, src_tokens, send_mask, dispatch_round, out);
+    return out;
+  }
+
+  void launch_combine_of(const at::Tensor& y, const at::Tensor* expert_rows_of, const at::Tensor& recv_src,
+                         const at::Tensor& counts, const at::Tensor& src_tokens, const at::Tensor& send_mask,
+                         const at::Tensor& dispatch_round, at::Tensor& out) {
     CombineArgs a{};
     a.dispatch_round = dispatch_round.data_ptr<int64_t>();
     a.expert_layout = call_flags(call_) & 1;
     a.y = y.data_ptr();
+    if (expert_rows_of) {
+      a.rows_of = expert_rows_of->data_ptr<int32_t>();
+      a.topk = expert_rows_of->size(1);
+      a.expert_rows = y.size(0);
+    }
     a.recv_src = recv_src.data_ptr<int32_t>();
     a.counts = counts.data_ptr<int32_t>();
     a.src_tokens = src_tokens.data_ptr<int32_t>();

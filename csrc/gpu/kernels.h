@@ -82,7 +82,12 @@ struct DispatchArgs {
 };
 
 struct CombineArgs {
-  const void* y;  // [W*cap, H]
+  const void* y;  // [W*cap, H]; with rows_of, an expert layout's [expert_rows, H]
+  // An expert layout's expert_rows_of ([W*cap, topk]), whose received row j
+  // the kernel takes as the sum of its pair rows of y (pair_rows.cuh);
+  // nullptr: y holds the rank layout's rows.
+  const int32_t* rows_of;
+  int64_t topk, expert_rows;
   const int32_t* recv_src;
   const int32_t* counts;
   const int32_t* src_tokens;
