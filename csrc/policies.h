@@ -60,8 +60,9 @@ RC_HD bool dispatch_prefetches_chunk(int64_t chunk_bytes) {
 // every warp of a block runs the loop body once, and the body is what the
 // warps wait for). A copy picks its loop per span (csrc/gpu/device/rows.cuh);
 // combine's receivers sum with one loop per kernel, the short one where no
-// lane of a launch can have more (combine_sums_short): both loops in one
-// kernel spill its registers. A receiver block sums at most block_tokens
+// lane of a launch can have more (combine_sums_short), or always where the
+// kernel also sums an expert layout's pair rows: both loops in one kernel
+// spill its registers. A receiver block sums at most block_tokens
 // rows of row_vectors vectors at once, a block's share of them a lane.
 constexpr int kGpuShortUnroll = 2;
 RC_HD bool combine_sums_short(int64_t block_tokens, int64_t row_vectors) {

@@ -27,8 +27,9 @@ struct CombineShared {
   int64_t item_chunk[kMaxGroup];
   int32_t run[kMaxGpuWorld];
   int32_t warp_tot[kMaxWarps][kMaxGpuWorld];
-  // Receiver batch: each token's destinations and the row of y that holds
-  // this rank's own contribution to it.
+  // Receiver batch: each token's destinations and the rank-layout row that
+  // holds this rank's own contribution to it (a row of y, or with pair
+  // rows the row of rows_of whose pair rows sum to it).
   uint32_t batch_mask[kThreads];
   int32_t own_row[kThreads];
 };
@@ -234,8 +235,8 @@ RC_DEVICE int32_t own_rows_before(const Env& env, const CombineArgs& a, const Ow
 
 // Each token's output: its rows from every destination rank, summed in
 // ascending rank order (sum_row). Peers' rows come from the inbox, at the
-// token's slot; this rank's own from y, at the token's place among its own
-// rows (dispatch laid them out in token order: the block's first token's
+// token's slot; this rank's own from y (with pair rows: their sum, stored
+// into the output row first), at the token's place among its own rows (dispatch laid them out in token order: the block's first token's
 // comes after one row per earlier token whose send_mask has this rank, the
 // threads' shares of that count summed into sh.run[0], which the kernel
 // zeroed before its first barrier). The block waits for the chunks that
@@ -372,10 +373,11 @@ void launch_combine(const Env& env, const CombineArgs& a, Stream s) {
   with_dtype(a.dtype, [&](auto dtype) {
     constexpr DType D = decltype(dtype)::value;
     // The sum loop's vectors of a row, as the receivers count them.
-    const bool short_sums = combine_sums_short(lp.own_block_tokens, row_vectors<D>(payload, lp.vec));
     auto go = [&](auto kernel) { launch("combine", kernel, blocks, s, env, a, lp); };
     if (a.rows_of) go(combine_kernel<D, kShortUnroll, true>);
-    else short_sums ? go(combine_kernel<D, kShortUnroll, false>) : go(combine_kernel<D, kRowUnroll, false>);
+    else if (combine_sums_short(lp.own_block_tokens, row_vectors<D>(payload, lp.vec)))
+      go(combine_kernel<D, kShortUnroll, false>);
+    else go(combine_kernel<D, kRowUnroll, false>);
   });
 }
 
