@@ -32,6 +32,7 @@
 #include "../bounds.h"
 #include "../policies.h"
 #include "device/pair_rows.cuh"
+#include "device/received_rows.cuh"
 #include "device/rows.cuh"
 
 namespace rdna4_comm {
@@ -46,14 +47,6 @@ static_assert(kMaxTopk % kMinWarpSize == 0, "a row's slots fill whole groups of 
 constexpr int kSlotGroups = kMaxTopk / kMinWarpSize;
 // Experts per pass over a warp's shared bitmasks in the tally.
 constexpr int kExpertTile = 256;
-
-// The rows received: the sum of counts, clamped to [0, rows] (a combine
-// handle's counts are user input; the combine after the sums raises for bad ones).
-RC_DEVICE int32_t rows_received(const int32_t* counts, int world, int64_t rows) {
-  int64_t n = 0;
-  for (int s = 0; s < world; ++s) n += counts[s];
-  return int32_t(n < 0 ? 0 : (n > rows ? rows : n));
-}
 
 // Slots k of a received row (its K local ids, -1 where the expert lives
 // elsewhere) that start a pair: slot k names a local expert that no earlier
@@ -236,38 +229,6 @@ RC_DEVICE void tally_one_chunk(const ExpertLayoutArgs& a, int32_t received, uint
       atomicOr(&masks[row[lowest_bit(m)]], 1u << threadIdx.x);
   }
   block_sync();
-}
-
-// The received rows of row_bytes bytes in nvec vectors, each cut into
-// `slices` runs of `width` vectors (the last one shorter; expert_row_slices),
-// and block b of the grid takes a contiguous share of those slices,
-// kBatchRows at a time:
-// warp w runs prepare(r, j, writes) with all its lanes for slices r = w, w
-// + warps, ... of the batch (j: the slice's row; `writes`: the row's first
-// slice, whose block alone writes the row's outputs), shared state for the
-// batch; then, after a barrier, row(r, j, span) runs for the vectors of
-// every slice of the batch (for_row_pieces; the span's indices are the
-// row's, and it leads only from the row's first vector).
-constexpr int kBatchRows = kChunkRows;
-template <typename Prepare, typename Row>
-RC_DEVICE void for_received_rows(int32_t received, int64_t row_bytes, uint32_t nvec, Prepare prepare, Row row) {
-  const int32_t slices = int32_t(expert_row_slices(received, row_bytes, nvec, int(gridDim.x)));
-  const uint32_t width = (nvec + uint32_t(slices) - 1) / uint32_t(slices);
-  // Fits int32: the received rows, or at most the blocks where slices > 1.
-  const int32_t units = received * slices, per = (units + int32_t(gridDim.x) - 1) / int32_t(gridDim.x);
-  const int32_t u0 = int32_t(blockIdx.x) * per, u1 = u0 + per < units ? u0 + per : units;
-  const int nw = kThreads / warp_size(), warp = int(threadIdx.x) / warp_size();
-  for (int32_t b0 = u0; b0 < u1; b0 += kBatchRows) {
-    const int32_t n = u1 - b0 < kBatchRows ? u1 - b0 : kBatchRows;
-    for (int r = warp; r < n; r += nw) prepare(r, (b0 + r) / slices, (b0 + r) % slices == 0);
-    block_sync();
-    for_row_pieces(uint32_t(n), width, [&](uint32_t r, const RowSpan& s) {
-      const int32_t u = b0 + int32_t(r);
-      const uint32_t lo = uint32_t(u % slices) * width, end = lo + s.end < nvec ? lo + s.end : nvec;
-      row(int(r), u / slices, RowSpan{lo + s.first, s.stride, end, s.lead && lo == 0});
-    });
-    block_sync();  // the batch's shared state is read before the next batch's prepare
-  }
 }
 
 // Where received row j's payload and scales are: in x, the rank-layout

@@ -34,6 +34,12 @@ using namespace gpu;
                 ::rdna4_comm::gpu::error_string(rc_err_));                                   \
   } while (0)
 
+int sm_count_of(int device_index) {
+  int n = 0;
+  RC_GPU_CHECK(multiprocessor_count(&n, device_index));
+  return n;
+}
+
 // The kernels' dtype of a tensor the ops' checks let through.
 DType dtype_of(at::ScalarType t) {
   switch (t) {
@@ -87,13 +93,10 @@ ExpertPlacement expert_placement(const Dispatched& d, int64_t experts, int64_t a
   a.out_counts = out.expert_counts.data_ptr<int32_t>();
   a.out_offsets = out.expert_offsets.data_ptr<int32_t>();
   a.out_rows_of = out.expert_rows_of.data_ptr<int32_t>();
-  a.out_needed = needed.data_ptr<int32_t>();
-  if (needed.is_cpu()) {
-    // Pinned host memory (Comm::check_output), which the kernels store into.
-    void* view = nullptr;
-    RC_GPU_CHECK(host_device_pointer(&view, needed.data_ptr()));
-    a.out_needed = static_cast<int32_t*>(view);
-  }
+  // Device memory, or pinned host memory (Comm::check_output) that the kernels store into.
+  void* needed_at = needed.data_ptr();
+  if (needed.is_cpu()) RC_GPU_CHECK(host_device_pointer(&needed_at, needed.data_ptr()));
+  a.out_needed = static_cast<int32_t*>(needed_at);
   return {a, std::move(scratch)};
 }
 
@@ -323,11 +326,9 @@ class GpuComm final : public Comm {
     a.dispatch_round = dispatch_round.data_ptr<int64_t>();
     a.expert_layout = call_flags(call_) & 1;
     a.y = y.data_ptr();
-    if (expert_rows_of) {
-      a.rows_of = expert_rows_of->data_ptr<int32_t>();
-      a.topk = expert_rows_of->size(1);
-      a.expert_rows = y.size(0);
-    }
+    a.rows_of = expert_rows_of ? expert_rows_of->data_ptr<int32_t>() : nullptr;
+    a.topk = expert_rows_of ? expert_rows_of->size(1) : 0;
+    a.expert_rows = y.size(0);
     a.recv_src = recv_src.data_ptr<int32_t>();
     a.counts = counts.data_ptr<int32_t>();
     a.src_tokens = src_tokens.data_ptr<int32_t>();
@@ -465,14 +466,6 @@ bool current_stream_capturing(int device_index) {
   RC_GPU_CHECK(gpu::stream_is_capturing(c10::cuda::getCurrentCUDAStream(device_index).stream(), &capturing));
   return capturing;
 }
-
-namespace {
-int sm_count_of(int device_index) {
-  int n = 0;
-  RC_GPU_CHECK(multiprocessor_count(&n, device_index));
-  return n;
-}
-}  // namespace
 
 void expert_layout_on_gpu(const Dispatched& d, int64_t experts, int64_t alignment, ExpertDispatched& out,
                           const at::Tensor& needed) {
