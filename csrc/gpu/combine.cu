@@ -165,7 +165,8 @@ RC_DEVICE void combine_sender(const Env& env, const CombineArgs& a, CombineShare
       char* inbox = L.combine_row(env.data[s], gen, me, t);
       if (kPairs) {
         const int32_t* rows_of = a.rows_of + j * K;
-        sum_pair_rows<D, kPairTermsInFlight>(y, payload, rows_of, pair_terms(rows_of, K, a.expert_rows), inbox, vec, rs);
+        const uint64_t terms = pair_terms(rows_of, K, a.expert_rows);
+        sum_pair_rows<D, kPairTermsInFlight>(y, payload, rows_of, terms, inbox, vec, rs);
         return;
       }
       with_copy_vector(vec, [&](auto tag) {
@@ -236,7 +237,8 @@ RC_DEVICE int32_t own_rows_before(const Env& env, const CombineArgs& a, const Ow
 // Each token's output: its rows from every destination rank, summed in
 // ascending rank order (sum_row). Peers' rows come from the inbox, at the
 // token's slot; this rank's own from y (with pair rows: their sum, stored
-// into the output row first), at the token's place among its own rows (dispatch laid them out in token order: the block's first token's
+// into the output row first), at the token's place among its own rows
+// (dispatch laid them out in token order: the block's first token's
 // comes after one row per earlier token whose send_mask has this rank, the
 // threads' shares of that count summed into sh.run[0], which the kernel
 // zeroed before its first barrier). The block waits for the chunks that
@@ -297,7 +299,8 @@ RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineSha
         const bool own_pairs = kPairs && (sh.batch_mask[i] >> me & 1u);
         if (own_pairs) {
           const int32_t* rows_of = a.rows_of + own_row * K;
-          sum_pair_rows<D, kPairTermsInFlight>(y, payload, rows_of, pair_terms(rows_of, K, a.expert_rows), out_row, vec, s);
+          const uint64_t terms = pair_terms(rows_of, K, a.expert_rows);
+          sum_pair_rows<D, kPairTermsInFlight>(y, payload, rows_of, terms, out_row, vec, s);
           // A token of this rank alone: that sum is its output (a value the
           // sum below would round again, to itself).
           if (sh.batch_mask[i] == 1u << me) return;

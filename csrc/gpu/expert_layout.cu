@@ -26,7 +26,8 @@
 // Rows received that fit one chunk (expert_places_one_chunk) skip 1 and 2:
 // each placement block runs them itself on its own shared copy of the
 // tables (block 0 writes the outputs), so a decode step pays one kernel.
-// combine_expert's sums take a share of the received rows' slices per block too.
+// The dist transport's pair-row sums take a share of the received rows'
+// slices per block too.
 #include <type_traits>
 
 #include "../bounds.h"
@@ -330,16 +331,10 @@ RC_DEVICE void place_row_pairs(const ExpertLayoutArgs& a, const ExpertTables& t,
     if (writes && a.weights) store_from_float(a.out_weights, dest, a.weights_dtype, sum[g]);
   }
   warp_sync();  // the pairs' rows are stored before the lanes read them back
-  uint64_t keep = 0;
-#pragma unroll
-  for (int g = 0; g < kSlotGroups; ++g) {
-    if (g * ws >= K) break;
-    const int k = g * ws + lane;
-    const int32_t row = k < K ? pair_row[k] : -1;
-    keep |= warp_ballot(row >= 0) << (g * ws);
-    if (writes && k < K) a.out_rows_of[w0 + k] = row;
-  }
+  const uint64_t keep = pair_terms(pair_row, K, a.expert_rows);  // the places that got a row
   if (lane == 0) *kept = keep;
+  if (writes)
+    for (int k = lane; k < K; k += ws) a.out_rows_of[w0 + k] = pair_row[k];
 }
 
 // After the placement, the grid writes expert_rows_of of the rows not
