@@ -214,12 +214,12 @@ RC_HD EpGrid combine_grid(int64_t ntok, int world, int sm_count) {
 // expert can have (experts * (alignment - 1) of them at most). Each grid is
 // at least one block and at most kExpertBlocksPerSm blocks per
 // multiprocessor, sized for the most rows (rows = W * cap) and padding rows;
-// the rows received and the padding are known on the device alone (each
-// placement block still tallies a chunk of them for itself, and the blocks
-// with no rows left skip to the padding).
+// the rows received and the padding are known on the device alone, so
+// the placement blocks left with neither slices nor padding rows (a decode
+// step on a prefill-sized capacity) return before the tables.
 //
 // Rows received that fit one chunk (a decode step) take one kernel: each
-// placement block tallies the chunk and computes the offsets itself, in
+// placement block with work tallies the chunk and computes the offsets itself, in
 // shared memory of kExpertOneChunkExperts words per table, and the tally
 // and offsets kernels return at once; the host launches them only where
 // W * cap rows can fill more than one chunk (expert_tally_launched).

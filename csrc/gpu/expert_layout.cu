@@ -337,21 +337,27 @@ RC_DEVICE void place_row_pairs(const ExpertLayoutArgs& a, const ExpertTables& t,
     for (int k = lane; k < K; k += ws) a.out_rows_of[w0 + k] = pair_row[k];
 }
 
-// After the placement, the grid writes expert_rows_of of the rows not
-// received (-1), and the alignment padding rows that fit (zeros, their
-// scales and weights too), a warp per row: padding row i < alignment - 1
-// of expert e is warp (e * (alignment - 1) + i) of the grid
-// (expert_place_blocks), or a later one in its stride.
-template <typename V>
-RC_DEVICE void place_unreceived_and_padding(const ExpertLayoutArgs& a, const ExpertTables& t, int32_t received,
-                                            int64_t nvec) {
+// The grid writes expert_rows_of of the rows not received: -1.
+RC_DEVICE void place_unreceived(const ExpertLayoutArgs& a, int32_t received) {
   const int K = int(a.topk);
-  const int64_t E = a.experts, n = a.expert_rows, S = a.scales_per_row, rb = a.row_bytes;
   const int64_t gthread = int64_t(blockIdx.x) * kThreads + threadIdx.x, gthreads = int64_t(gridDim.x) * kThreads;
   for (int64_t i = int64_t(received) * K + gthread; i < a.rows * K; i += gthreads) a.out_rows_of[i] = -1;
+}
+
+// Padding rows an expert can have: warps of the placement grid that zero one.
+RC_DEVICE int64_t padding_warps(const ExpertLayoutArgs& a) { return a.experts * (a.alignment - 1); }
+
+// After the placement, the grid writes the alignment padding rows that fit
+// (zeros, their scales and weights too), a warp per row: padding row
+// i < alignment - 1 of expert e is warp (e * (alignment - 1) + i) of the
+// grid (expert_place_blocks), or a later one in its stride.
+template <typename V>
+RC_DEVICE void place_padding(const ExpertLayoutArgs& a, const ExpertTables& t, int64_t nvec) {
+  const int64_t n = a.expert_rows, S = a.scales_per_row, rb = a.row_bytes;
+  const int64_t gthread = int64_t(blockIdx.x) * kThreads + threadIdx.x, gthreads = int64_t(gridDim.x) * kThreads;
   const int ws = warp_size(), lane = lane_id();
   const int64_t pad = a.alignment - 1;
-  for (int64_t w = gthread / ws; w < E * pad; w += gthreads / ws) {
+  for (int64_t w = gthread / ws; w < padding_warps(a); w += gthreads / ws) {
     const int64_t e = w / pad;
     const int64_t r = t.offsets[e] + int64_t(t.count(e)) + (w - e * pad), next = t.offsets[e + 1];
     if (r >= next || r >= n) continue;
@@ -366,7 +372,7 @@ RC_DEVICE void place_unreceived_and_padding(const ExpertLayoutArgs& a, const Exp
 // Each received row's pairs get their rows (place_row_pairs); then the row
 // is loaded once, from x or where dispatch left it (received_row_source),
 // and stored to each of its pair rows (its scales too). Then the rows not
-// received and the alignment padding (place_unreceived_and_padding).
+// received (place_unreceived) and the alignment padding (place_padding).
 template <typename IdxT, typename V>
 __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs a) {
   // Slice r of the batch: its row's pairs' rows, and which of them are kept.
@@ -382,6 +388,16 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
   const int64_t E = a.experts, S = a.scales_per_row, rb = a.row_bytes;
   const int64_t nvec = rb / int64_t(sizeof(V));
   const int32_t received = rows_received(a.counts, a.world, a.rows);
+  const ReceivedShare share = received_share(received, rb, uint32_t(nvec));
+  // A grid sized for the capacity has blocks past a decode step's slices
+  // and padding rows: they skip the tables, whose chain of loads and
+  // barriers costs as much as a copying block's, and would make a second
+  // wave of the grid as long as the first. Block 0 stays: it writes the
+  // outputs of one chunk's tables. (Block-uniform, before any barrier.)
+  if (blockIdx.x > 0 && share.empty() && int64_t(blockIdx.x) * (kThreads / warp_size()) >= padding_warps(a)) {
+    place_unreceived(a, received);
+    return;
+  }
   // The dispatch before this kernel on the stream stored its generation in
   // the counter at its end; the next dispatch starts after this kernel
   // (the GPU transport launches both in its stream order), and no peer
@@ -423,14 +439,15 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
     }
     place_row_pairs<IdxT>(a, tables, j, writes, pair_row[r], &kept[r]);
   };
-  for_received_rows(received, rb, uint32_t(nvec), prepare, [&](int r, int32_t j, const RowSpan& s) {
+  for_received_rows(share, prepare, [&](int r, int32_t j, const RowSpan& s) {
     auto row_at = [&](int p) { return a.out_x + int64_t(pair_row[r][p]) * rb; };
     copy_row<V, true>(src_row[r], row_at, kept[r], s);
     if (src_scales[r] && s.lead)
       copy_scales<true>(src_scales[r], S, [&](int p) { return a.out_scales + int64_t(pair_row[r][p]) * S; }, kept[r],
                         s);
   });
-  place_unreceived_and_padding<V>(a, tables, received, nvec);
+  place_unreceived(a, received);
+  place_padding<V>(a, tables, nvec);
 }
 
 // Each received row of the rank layout: its pair rows of y summed
@@ -449,7 +466,7 @@ __global__ void __launch_bounds__(kThreads) expert_sum_kernel(ExpertSumArgs a, i
   };
   const uint32_t nvec = row_vectors<D>(payload, vec);
   const int64_t vector_bytes = payload / nvec;
-  for_received_rows(received, payload, nvec, prepare, [&](int r, int32_t j, const RowSpan& s) {
+  for_received_rows(received_share(received, payload, nvec), prepare, [&](int r, int32_t j, const RowSpan& s) {
     const int32_t* rows_of = a.rows_of + int64_t(j) * K;
     auto row_of = [&](int k) { return y + int64_t(rows_of[k]) * payload; };
     // The terms' first lines of this lane's span are on their way before
