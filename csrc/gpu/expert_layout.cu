@@ -387,25 +387,25 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
   __shared__ int32_t warp_tot[kMaxWarps];
   const int64_t E = a.experts, S = a.scales_per_row, rb = a.row_bytes;
   const int64_t nvec = rb / int64_t(sizeof(V));
-  const int32_t received = rows_received(a.counts, a.world, a.rows);
-  const ReceivedShare share = received_share(received, rb, uint32_t(nvec));
-  // A grid sized for the capacity has blocks past a decode step's slices
-  // and padding rows: they skip the tables, whose chain of loads and
-  // barriers costs as much as a copying block's, and would make a second
-  // wave of the grid as long as the first. Block 0 stays: it writes the
-  // outputs of one chunk's tables. (Block-uniform, before any barrier.)
-  if (blockIdx.x > 0 && share.empty() && int64_t(blockIdx.x) * (kThreads / warp_size()) >= padding_warps(a)) {
-    place_unreceived(a, received);
-    return;
-  }
   // The dispatch before this kernel on the stream stored its generation in
   // the counter at its end; the next dispatch starts after this kernel
   // (the GPU transport launches both in its stream order), and no peer
   // writes this parity of the heap before that dispatch has published.
   __shared__ uint64_t heap_gen_shared;
   if (threadIdx.x == 0) heap_gen_shared = a.heap_gen ? *a.heap_gen : 0;
+  const int32_t received = rows_received(a.counts, a.world, a.rows);  // loaded beside the counter
+  const ReceivedShare share = received_share(received, rb, uint32_t(nvec));
   block_sync();  // one load of the counter (uncached on HIP) per block
   const uint64_t heap_gen = heap_gen_shared;
+  // A grid sized for the capacity has blocks past a decode step's slices
+  // and padding rows: they skip the tables, whose chain of loads and
+  // barriers costs as much as a copying block's, and would make a second
+  // wave of the grid as long as the first. Block 0 stays: it writes the
+  // outputs of one chunk's tables. (Block-uniform.)
+  if (blockIdx.x > 0 && share.empty() && int64_t(blockIdx.x) * (kThreads / warp_size()) >= padding_warps(a)) {
+    place_unreceived(a, received);
+    return;
+  }
   const bool one_chunk = expert_places_one_chunk(received, E);  // block-uniform
   ExpertTables tables{a.out_offsets, a.out_counts, a.chunk_masks, a.chunk_prefix};
   if (one_chunk) {
