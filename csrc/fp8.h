@@ -21,11 +21,15 @@ RC_HD int64_t fp8_num_scales(int64_t hidden) { return (hidden + kFp8Block - 1) /
 // drop it), so a NaN in the block makes every q of the block NaN.
 RC_HD float fp8_scale(float amax) { return (amax < kFp8AmaxFloor ? kFp8AmaxFloor : amax) / kFp8Max; }
 
-// |v| folded into a running amax; NaN sticks. |v| clears the sign bit, as
-// torch's abs does (a NaN's too).
-RC_HD float fp8_amax(float acc, float v) {
-  const float a = bits_float(float_bits(v) & 0x7fffffffu);
-  return (a > acc || a != a) && acc == acc ? a : acc;
+// |v| folded into a running amax held as its bits (start at 0; the amax
+// is bits_float of the result): |v| clears the sign bit, as torch's abs
+// does (a NaN's too), and floats without a sign order as their bits do,
+// with every NaN above infinity, so one integer max keeps the largest and
+// a NaN sticks (which of the block's NaNs is left open, as the rule leaves
+// a NaN's bits).
+RC_HD uint32_t fp8_amax_bits(uint32_t acc, float v) {
+  const uint32_t a = float_bits(v) & 0x7fffffffu;
+  return a > acc ? a : acc;
 }
 
 // The rule's FP8 byte of x / scale without a division per channel: with

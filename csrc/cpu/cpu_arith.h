@@ -21,9 +21,9 @@ inline void quantize_fp8_row(at::ScalarType st, const char* x, int64_t H, char* 
     const scalar_t* row = reinterpret_cast<const scalar_t*>(x);
     for (int64_t b0 = 0, blk = 0; b0 < H; b0 += kFp8Block, ++blk) {
       const int64_t b1 = std::min(b0 + kFp8Block, H);
-      float amax = 0.f;
-      for (int64_t i = b0; i < b1; ++i) amax = fp8_amax(amax, float(row[i]));
-      const float scale = fp8_scale(amax);
+      uint32_t amax = 0;
+      for (int64_t i = b0; i < b1; ++i) amax = fp8_amax_bits(amax, float(row[i]));
+      const float scale = fp8_scale(bits_float(amax));
       const Fp8Divisor divisor = fp8_divisor(scale);
       scales[blk] = scale;
       for (int64_t i = b0; i < b1; ++i) q[i] = char(fp8_e4m3fn_bits(fp8_quotient(float(row[i]), divisor)));

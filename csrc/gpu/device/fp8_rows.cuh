@@ -26,13 +26,15 @@ constexpr int kFp8Unroll = 4;
 // lane past the span (the span ends on a block boundary, so it is the whole
 // warp) has no channels.
 struct Fp8Lane {
-  int64_t block, first;
+  uint32_t block;  // fits: a row's units are 32-bit
+  int64_t first;
   int count;  // channels of this lane below H
   bool lead;  // the lane that stores the block's scale
 };
 RC_DEVICE Fp8Lane fp8_lane(uint32_t v, const RowSpan& s, int64_t hidden) {
   const int ws = warp_size(), per_lane = kFp8Block / ws;
-  const int64_t block = v / uint32_t(ws), first = block * kFp8Block + int64_t(v % uint32_t(ws)) * per_lane;
+  const uint32_t block = v / uint32_t(ws);
+  const int64_t first = int64_t(block) * kFp8Block + int64_t(v % uint32_t(ws)) * per_lane;
   const int64_t left = v < s.end ? hidden - first : 0;
   return {block, first, int(left < 0 ? 0 : (left < per_lane ? left : per_lane)), v % uint32_t(ws) == 0};
 }
@@ -80,7 +82,8 @@ RC_DEVICE void quantize_fp8_row(const void* x, DType t, int64_t hidden, bool vec
   const bool vec = fp8_lane_vectors(vector);
   for (uint32_t v0 = s.first; v0 < s.end; v0 += s.stride * kFp8Unroll) {
     Fp8Lane l[kFp8Unroll];
-    float val[kFp8Unroll][kFp8LaneChannels], amax[kFp8Unroll];
+    float val[kFp8Unroll][kFp8LaneChannels];
+    uint32_t amax[kFp8Unroll];
 #pragma unroll
     for (int u = 0; u < kFp8Unroll; ++u) {
       l[u] = fp8_lane(v0 + u * s.stride, s, hidden);
@@ -88,19 +91,21 @@ RC_DEVICE void quantize_fp8_row(const void* x, DType t, int64_t hidden, bool vec
     }
 #pragma unroll
     for (int u = 0; u < kFp8Unroll; ++u) {
-      amax[u] = 0.f;
+      amax[u] = 0;
 #pragma unroll
-      for (int i = 0; i < kFp8LaneChannels; ++i) amax[u] = fp8_amax(amax[u], val[u][i]);
+      for (int i = 0; i < kFp8LaneChannels; ++i) amax[u] = fp8_amax_bits(amax[u], val[u][i]);
     }
     // Every lane of the warp runs the shuffles: a span ends on a block boundary.
     for (int o = warp_size() / 2; o > 0; o /= 2)
 #pragma unroll
-      for (int u = 0; u < kFp8Unroll; ++u)
-        amax[u] = fp8_amax(amax[u], __int_as_float(warp_shfl_xor(__float_as_int(amax[u]), o)));
+      for (int u = 0; u < kFp8Unroll; ++u) {
+        const uint32_t other = uint32_t(warp_shfl_xor(int(amax[u]), o));
+        amax[u] = other > amax[u] ? other : amax[u];
+      }
 #pragma unroll
     for (int u = 0; u < kFp8Unroll; ++u) {
       if (l[u].count == 0) continue;
-      const float scale = fp8_scale(amax[u]);
+      const float scale = fp8_scale(bits_float(amax[u]));
       const Fp8Divisor divisor = fp8_divisor(scale);
       float quot[kFp8LaneChannels];
 #pragma unroll
