@@ -204,12 +204,13 @@ void bind_policies(py::module_& m) {
   testing.def("allreduce_blocks", &allreduce_blocks, py::arg("share_bytes"), py::arg("sm_count"));
   testing.def("expert_chunks", &expert_chunks, py::arg("rows"));
   testing.def("expert_chunk_blocks", &expert_chunk_blocks, py::arg("rows"), py::arg("sm_count"));
-  testing.def("expert_row_blocks", &expert_row_blocks, py::arg("rows"), py::arg("sm_count"));
+  testing.def("expert_row_blocks", &expert_row_blocks, py::arg("rows"), py::arg("sm_count"),
+              py::arg("resident_per_sm"));
   testing.def("expert_row_slices", &expert_row_slices, py::arg("received"), py::arg("row_bytes"), py::arg("vectors"),
               py::arg("blocks"));
   testing.attr("expert_slice_bytes") = kExpertSliceBytes;
   testing.def("expert_place_blocks", &expert_place_blocks, py::arg("rows"), py::arg("experts"), py::arg("alignment"),
-              py::arg("sm_count"));
+              py::arg("sm_count"), py::arg("resident_per_sm"));
   testing.attr("expert_chunk_rows") = kExpertChunkRows;
   testing.attr("expert_one_chunk_experts") = kExpertOneChunkExperts;
   testing.def("expert_places_one_chunk", &expert_places_one_chunk, py::arg("received"), py::arg("experts"));

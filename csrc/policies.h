@@ -211,12 +211,16 @@ RC_HD EpGrid combine_grid(int64_t ntok, int world, int sm_count) {
 // where the grid has more blocks than rows (expert_row_slices), so that a
 // few rows (a decode step) still spread over every multiprocessor; the
 // placement also zeroes the alignment padding, a warp per padding row an
-// expert can have (experts * (alignment - 1) of them at most). Each grid is
-// at least one block and at most kExpertBlocksPerSm blocks per
-// multiprocessor, sized for the most rows (rows = W * cap) and padding rows;
-// the rows received and the padding are known on the device alone, so
-// the placement blocks left with neither slices nor padding rows (a decode
-// step on a prefill-sized capacity) return before the tables.
+// expert can have (experts * (alignment - 1) of them at most). The tally's
+// grid is at most kExpertBlocksPerSm blocks per multiprocessor. The
+// placement's and the sums' grids are sized for the most rows (rows = W *
+// cap) and padding rows, at least a block and at most one wave per
+// multiprocessor (resident_per_sm: the blocks of the kernel that one holds
+// at once): the rows received and the padding are known on the device
+// alone, so on a prefill-sized capacity a decode step leaves most blocks
+// without rows, and each wave of them would still wait for the counts
+// before it returns (a block left with neither slices nor padding rows
+// returns before the tables).
 //
 // Rows received that fit one chunk (a decode step) take one kernel: each
 // placement block with work tallies the chunk and computes the offsets itself, in
@@ -235,8 +239,8 @@ RC_HD int64_t expert_chunks(int64_t rows) { return ceil_div(rows, kExpertChunkRo
 RC_HD int expert_chunk_blocks(int64_t rows, int sm_count) {
   return clamp_blocks(ceil_div(expert_chunks(rows), kGpuBlockThreads / kExpertChunkRows), kExpertBlocksPerSm * sm_count);
 }
-RC_HD int expert_row_blocks(int64_t rows, int sm_count) {
-  return clamp_blocks(rows > sm_count ? rows : sm_count, kExpertBlocksPerSm * sm_count);
+RC_HD int expert_row_blocks(int64_t rows, int sm_count, int resident_per_sm) {
+  return clamp_blocks(rows > sm_count ? rows : sm_count, int64_t(resident_per_sm > 1 ? resident_per_sm : 1) * sm_count);
 }
 constexpr int64_t kExpertSliceBytes = 1024;
 // Slices per received row of `row_bytes` bytes in `vectors` vectors, over a
@@ -250,9 +254,9 @@ RC_HD int64_t expert_row_slices(int64_t received, int64_t row_bytes, int64_t vec
   const int64_t width = ceil_div(vectors, most);
   return ceil_div(vectors, width);
 }
-RC_HD int expert_place_blocks(int64_t rows, int64_t experts, int64_t alignment, int sm_count) {
+RC_HD int expert_place_blocks(int64_t rows, int64_t experts, int64_t alignment, int sm_count, int resident_per_sm) {
   const int64_t padding_blocks = ceil_div(experts * (alignment - 1), kGpuBlockThreads / kExpertChunkRows);
-  return expert_row_blocks(rows > padding_blocks ? rows : padding_blocks, sm_count);
+  return expert_row_blocks(rows > padding_blocks ? rows : padding_blocks, sm_count, resident_per_sm);
 }
 
 RC_HD int allreduce_blocks(int64_t share_bytes, int sm_count) {

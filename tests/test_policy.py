@@ -154,20 +154,26 @@ def test_allreduce_blocks():
 
 
 @pytest.mark.parametrize("sms", [1, 8, H200_SMS])
-def test_expert_layout_grids_cover_the_rows_and_stay_within_four_blocks_per_multiprocessor(sms):
-    # The tally: a warp per chunk of 32 rows, a block of 16 warps; the
-    # placement and the sums: a block per row, and at least one per
-    # multiprocessor (rows are sliced among them). Both capped at 4 blocks
-    # per multiprocessor (the kernels loop over what is left).
+@pytest.mark.parametrize("resident", [0, 1, 2, 4])
+def test_expert_layout_grids_cover_the_rows_in_one_wave(sms, resident):
+    # The tally: a warp per chunk of 32 rows, a block of 16 warps, capped at
+    # 4 blocks per multiprocessor. The placement and the sums: a block per
+    # row, at least one per multiprocessor (rows are sliced among them), and
+    # at most the blocks the multiprocessors hold at once (`resident` per
+    # multiprocessor; a kernel the runtime gave no answer for counts as 1):
+    # one wave, so that a decode step's blocks without rows are not a
+    # second wave (the kernels loop over what is left).
     chunk_rows, warps = _C.testing.expert_chunk_rows, _C.testing.gpu_block_threads // 32
     assert chunk_rows == 32
+    wave = max(resident, 1) * sms
     for rows in (1, 8, 31, 32, 33, 512, 513, 4096, 8 * 4096, 8 << 18):
         chunks = _C.testing.expert_chunks(rows)
         assert chunks == ceil_div(rows, chunk_rows)
         assert _C.testing.expert_chunk_blocks(rows, sms) == min(ceil_div(chunks, warps), 4 * sms)
-        assert _C.testing.expert_row_blocks(rows, sms) == min(max(rows, sms), 4 * sms)
-    # A decode step on a prefill-sized capacity spreads over the whole grid.
-    assert _C.testing.expert_row_blocks(4096, H200_SMS) == 4 * H200_SMS
+        assert _C.testing.expert_row_blocks(rows, sms, resident) == min(max(rows, sms), wave)
+    # A prefill-sized capacity: the whole wave (an H200's placement kernel
+    # holds one 512-thread block a multiprocessor).
+    assert _C.testing.expert_row_blocks(4096, H200_SMS, 1) == H200_SMS
 
 
 @pytest.mark.parametrize("sms", [1, 8, H200_SMS])
@@ -179,7 +185,7 @@ def test_expert_rows_are_sliced_so_a_few_rows_spread_over_the_grid(sms):
     least = _C.testing.expert_slice_bytes
     assert least == 1024
     for cap_rows in (8, 32, 4096, 8 * 4096):
-        blocks = _C.testing.expert_row_blocks(cap_rows, sms)
+        blocks = _C.testing.expert_row_blocks(cap_rows, sms, 1)
         for received in (0, 1, 8, 33, 512, 4096):
             if received > cap_rows:
                 continue
@@ -197,23 +203,24 @@ def test_expert_rows_are_sliced_so_a_few_rows_spread_over_the_grid(sms):
     # vectors) on an H200 takes 8 * 14 = 112 of the grid's blocks, on
     # either capacity; a prefill's rows are not sliced.
     for cap_rows in (8, 4096):
-        blocks = _C.testing.expert_row_blocks(cap_rows, H200_SMS)
+        blocks = _C.testing.expert_row_blocks(cap_rows, H200_SMS, 1)
         assert 8 * _C.testing.expert_row_slices(8, 14336, 896, blocks) == 112
-    assert _C.testing.expert_row_slices(4096, 14336, 896, _C.testing.expert_row_blocks(4096, H200_SMS)) == 1
+    assert _C.testing.expert_row_slices(4096, 14336, 896, _C.testing.expert_row_blocks(4096, H200_SMS, 1)) == 1
 
 
 @pytest.mark.parametrize("sms", [1, 8, H200_SMS])
-def test_expert_placement_grid_has_a_warp_per_padding_row(sms):
+@pytest.mark.parametrize("resident", [1, 2])
+def test_expert_placement_grid_has_a_warp_per_padding_row(sms, resident):
     # Expert e's alignment padding is at most alignment - 1 rows, each zeroed
     # by a warp of its own (16 warps of 32 lanes in a block), as far as the
-    # grid's cap allows; without padding the grid is the rows' grid.
+    # grid's one wave allows; without padding the grid is the rows' grid.
     warps = _C.testing.gpu_block_threads // 32
     for rows in (1, 8, 4096):
         for experts, alignment in ((1, 1), (256, 1), (256, 16), (64, 128), (1, 128)):
             want = max(rows, ceil_div(experts * (alignment - 1), warps))
-            assert _C.testing.expert_place_blocks(rows, experts, alignment, sms) == min(max(want, sms), 4 * sms)
-            assert _C.testing.expert_place_blocks(rows, experts, alignment, sms) >= \
-                _C.testing.expert_row_blocks(rows, sms)
+            blocks = _C.testing.expert_place_blocks(rows, experts, alignment, sms, resident)
+            assert blocks == min(max(want, sms), resident * sms)
+            assert blocks >= _C.testing.expert_row_blocks(rows, sms, resident)
 
 
 def test_expert_placement_of_one_chunk_runs_as_one_kernel():

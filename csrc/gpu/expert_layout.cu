@@ -483,22 +483,29 @@ void launch_expert_layout(const ExpertLayoutArgs& a, Stream s) {
   auto run = [&](auto kernel, int blocks) { RC_LAUNCH(kernel, blocks, kThreads, 0, s, a); };
   // Rows in 16-byte vectors where rows and pointers allow it, else bytes.
   const bool v16 = widest_vector(a.row_bytes, {a.x, a.own_x, a.out_x}) == 16;
-  const int place_blocks = expert_place_blocks(a.rows, a.experts, a.alignment, a.sm_count);
+  // The placement's grid: one wave at most (expert_place_blocks).
+  auto place = [&](auto kernel) {
+    run(kernel, expert_place_blocks(a.rows, a.experts, a.alignment, a.sm_count,
+                                    resident_blocks_per_sm(kernel, kThreads)));
+  };
   auto go = [&](auto idx) {
     using IdxT = typename decltype(idx)::type;
     if (expert_tally_launched(a.rows, a.experts)) {
       run(expert_tally_kernel<IdxT>, expert_chunk_blocks(a.rows, a.sm_count));
       run(expert_offsets_kernel, 1);
     }
-    if (v16) run(expert_place_kernel<IdxT, uint4>, place_blocks);
-    else run(expert_place_kernel<IdxT, uint8_t>, place_blocks);
+    if (v16) place(expert_place_kernel<IdxT, uint4>);
+    else place(expert_place_kernel<IdxT, uint8_t>);
   };
   a.ids_int64 ? go(VecTag<int64_t>{}) : go(VecTag<int32_t>{});
 }
 
 void launch_expert_sum(const ExpertSumArgs& a, Stream s) {
   const int vec = row_vector(a.hidden * dtype_bytes(a.dtype), {a.y, a.out});
-  auto run = [&](auto kernel) { RC_LAUNCH(kernel, expert_row_blocks(a.rows, a.sm_count), kThreads, 0, s, a, vec); };
+  auto run = [&](auto kernel) {
+    RC_LAUNCH(kernel, expert_row_blocks(a.rows, a.sm_count, resident_blocks_per_sm(kernel, kThreads)), kThreads, 0, s,
+              a, vec);
+  };
   with_dtype(a.dtype, [&](auto dtype) { run(expert_sum_kernel<decltype(dtype)::value>); });
 }
 

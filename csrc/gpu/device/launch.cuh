@@ -7,6 +7,9 @@
 #include "../kernels.h"
 
 #include <initializer_list>
+#include <map>
+#include <mutex>
+#include <utility>
 
 namespace rdna4_comm {
 namespace gpu {
@@ -39,22 +42,32 @@ __host__ __device__ __forceinline__ void with_dtype(DType d, F&& f) {
 }
 
 // Blocks of `threads` threads of `kernel` that one multiprocessor holds at
-// once, given the kernel's registers and shared memory.
+// once, given the kernel's registers and shared memory: asked of the
+// runtime once per kernel and block size. Kernels of one signature share a
+// type, so the answers are kept by the kernel's address.
 template <typename Kernel>
 int resident_blocks_per_sm(Kernel kernel, int threads) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int> known;
+  const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), threads};
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = known.find(key);
+  if (it != known.end()) return it->second;
   int n = 0;
-  return RC_RT(OccupancyMaxActiveBlocksPerMultiprocessor)(&n, kernel, threads, 0) == RC_RT(Success) ? n : 0;
+  if (RC_RT(OccupancyMaxActiveBlocksPerMultiprocessor)(&n, kernel, threads, 0) != RC_RT(Success)) n = 0;
+  known.emplace(key, n);
+  return n;
 }
 
 // Every kernel runs kThreads threads a block; `blocks` comes from the grid
 // policies in policies.h (dispatch_grid, combine_grid, allreduce_blocks).
 // Co-residency: those policies count on one block per multiprocessor; the
-// kernel's real occupancy (registers, shared memory), asked once per kernel,
-// must hold the whole grid at once, or the launch raises instead of risking
-// a block that waits for one that never runs.
+// kernel's real occupancy (registers, shared memory) must hold the whole
+// grid at once, or the launch raises instead of risking a block that waits
+// for one that never runs.
 template <typename Kernel, typename... Args>
 void launch(const char* op, Kernel kernel, int blocks, Stream s, const Env& env, Args... args) {
-  static const int per_sm = resident_blocks_per_sm(kernel, kThreads);
+  const int per_sm = resident_blocks_per_sm(kernel, kThreads);
   if (int64_t(blocks) > int64_t(per_sm) * env.sm_count) raise_not_resident(op, blocks, per_sm, env.sm_count);
   RC_LAUNCH(kernel, blocks, kThreads, 0, s, env, args...);
 }
