@@ -209,6 +209,8 @@ void bind_policies(py::module_& m) {
   testing.def("expert_row_slices", &expert_row_slices, py::arg("received"), py::arg("row_bytes"), py::arg("vectors"),
               py::arg("blocks"));
   testing.attr("expert_slice_bytes") = kExpertSliceBytes;
+  testing.def("combine_recv_slices", &combine_recv_slices, py::arg("ntok"), py::arg("world"), py::arg("sm_count"),
+              py::arg("row_bytes"), py::arg("vectors"), py::arg("pair_rows"));
   testing.def("expert_place_blocks", &expert_place_blocks, py::arg("rows"), py::arg("experts"), py::arg("alignment"),
               py::arg("sm_count"), py::arg("resident_per_sm"));
   testing.attr("expert_chunk_rows") = kExpertChunkRows;

@@ -254,6 +254,20 @@ RC_HD int64_t expert_row_slices(int64_t received, int64_t row_bytes, int64_t vec
   const int64_t width = ceil_div(vectors, most);
   return ceil_div(vectors, width);
 }
+// A combine whose receivers sum an expert layout's pair rows (the GPU
+// transport's) reads up to K rows a token where the rank layout's reads
+// one a rank, and at a decode step's token or so per receiver block, that
+// block's loads in flight wait for several round trips. Its receivers then
+// cut their range's rows into column slices, a block each, by
+// expert_row_slices' rule over the blocks the senders leave (slices of
+// kExpertSliceBytes or more, none empty). The rank layout's receivers keep
+// whole rows.
+RC_HD int combine_recv_slices(int64_t ntok, int world, int sm_count, int64_t row_bytes, int64_t vectors,
+                              bool pair_rows) {
+  if (!pair_rows) return 1;
+  const EpGrid g = combine_grid(ntok, world, sm_count);
+  return int(expert_row_slices(g.recv_blocks, row_bytes, vectors, ep_grid_budget(sm_count) - g.send_blocks));
+}
 RC_HD int expert_place_blocks(int64_t rows, int64_t experts, int64_t alignment, int sm_count, int resident_per_sm) {
   const int64_t padding_blocks = ceil_div(experts * (alignment - 1), kGpuBlockThreads / kExpertChunkRows);
   return expert_row_blocks(rows > padding_blocks ? rows : padding_blocks, sm_count, resident_per_sm);

@@ -209,6 +209,29 @@ def test_expert_rows_are_sliced_so_a_few_rows_spread_over_the_grid(sms):
 
 
 @pytest.mark.parametrize("sms", [1, 8, H200_SMS])
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_combine_receivers_slice_pair_rows_over_the_blocks_the_senders_leave(world, sms):
+    # Receivers that sum an expert layout's pair rows cut their range's rows
+    # into column slices, a block each: expert_row_slices' rule over the
+    # receiver ranges and the blocks the senders leave, so the grid stays
+    # within the EP budget. The rank layout's receivers keep whole rows.
+    budget = max(2, min(sms - 2, _C.testing.max_launch_blocks))
+    for ntok in (0, 1, 8, 128, 4096):
+        send, recv = _C.testing.combine_grid(ntok, world, sms)
+        for row_bytes, vectors in ((14336, 896), (14336, 7168), (16384, 1024), (64, 4), (2, 1)):
+            assert _C.testing.combine_recv_slices(ntok, world, sms, row_bytes, vectors, False) == 1
+            slices = _C.testing.combine_recv_slices(ntok, world, sms, row_bytes, vectors, True)
+            assert slices == _C.testing.expert_row_slices(recv, row_bytes, vectors, budget - send)
+            assert 1 <= slices and send + recv * slices <= budget
+    # A decode step of H = 7168 bf16 (896 16-byte vectors a row) on an H200:
+    # its 8 receiver ranges take 14 slices of 64 vectors each; a prefill's
+    # ranges keep whole rows.
+    if world == 1:
+        assert _C.testing.combine_recv_slices(8, 1, H200_SMS, 14336, 896, True) == 14
+        assert _C.testing.combine_recv_slices(4096, 1, H200_SMS, 14336, 896, True) == 1
+
+
+@pytest.mark.parametrize("sms", [1, 8, H200_SMS])
 @pytest.mark.parametrize("resident", [1, 2])
 def test_expert_placement_grid_has_a_warp_per_padding_row(sms, resident):
     # Expert e's alignment padding is at most alignment - 1 rows, each zeroed

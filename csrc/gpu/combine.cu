@@ -244,12 +244,14 @@ RC_DEVICE int32_t own_rows_before(const Env& env, const CombineArgs& a, const Ow
 // zeroed before its first barrier). The block waits for the chunks that
 // overlap its range a group at a time: thread (g, r) waits for chunk g's
 // flag from peer r, then the group's tokens in the range are summed in
-// batches of a block.
+// batches of a block. A block sums the columns [col0, col0 + cols) of its
+// tokens' rows (kPairs: a column slice, combine_recv_slices; else the whole
+// rows).
 static_assert(kMaxGpuWorld * kMaxGroup <= kThreads, "combine waiters fit a block");
 template <DType D, int kSumUnroll, bool kPairs>
 RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineShared& sh, const Round& round,
                                 const OwnRange& range, const FirstReads& first, const RowPieces& first_pieces,
-                                int vec) {
+                                int vec, uint32_t col0, uint32_t cols) {
   const Layout& L = env.layout;
   const uint64_t gen = round.gen;
   const int me = env.rank, W = env.world, tid = threadIdx.x, K = int(a.topk);
@@ -263,8 +265,8 @@ RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineSha
   const int32_t own_base = sh.src.offset[me];
   const int32_t before = warp_sum(own_rows_before(env, a, range, first.before));
   if (lane_id() == 0 && before != 0) atomicAdd(&sh.run[0], before);  // read after the next barriers
-  // A rank with no tokens still has chunk 0 (ep_chunks), and its one
-  // receiver block waits for it from every peer: every combine sees each
+  // A rank with no tokens still has chunk 0 (ep_chunks), and its receiver
+  // blocks (one range, its slices) wait for it from every peer: every combine sees each
   // peer publish this generation, which the inbox's parity needs (layout.h).
   // Without that wait, such a rank could run two combines ahead and
   // overwrite rows that a slow peer has yet to read.
@@ -289,8 +291,9 @@ RC_DEVICE void combine_receiver(const Env& env, const CombineArgs& a, CombineSha
       sh.own_row[tid] = own_base + pos[0] < rows ? own_base + pos[0] : rows - 1;
       block_sync();
       const int32_t batch = b_end - b0 < nt ? b_end - b0 : nt;
-      const RowPieces pieces = b0 == t0 ? first_pieces : row_pieces(uint32_t(batch), nsum);
-      for_row_pieces(pieces, nsum, [&](uint32_t i, const RowSpan& s) {
+      const RowPieces pieces = b0 == t0 ? first_pieces : row_pieces(uint32_t(batch), cols);
+      for_row_pieces(pieces, cols, [&](uint32_t i, const RowSpan& piece) {
+        const RowSpan s = kPairs ? slice_span(piece, col0, nsum) : piece;
         const int64_t tok = b0 + int32_t(i), own_row = sh.own_row[i];
         char* out_row = out + tok * payload;
         // An expert layout's own contribution: its pair rows summed into
@@ -328,13 +331,19 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs 
   // Loaded first: the call word of the round needs it (calls.h).
   const uint64_t dispatch_round = uint64_t(*a.dispatch_round);
   const bool receiver = int(blockIdx.x) >= lp.send_blocks;
-  const OwnRange range = own_range(env, a.ntok, lp, int(blockIdx.x) - lp.send_blocks);
+  // A receiver's range of tokens, and its column slice of their rows
+  // (pair rows: combine_recv_slices; the rank layout's take whole rows).
+  const int j = int(blockIdx.x) - lp.send_blocks, range_j = kPairs && receiver ? j / lp.recv_slices : j;
+  const uint32_t nsum = row_vectors<D>(env.layout.hidden * env.layout.elt, lp.vec);
+  const uint32_t col0 = kPairs && receiver ? uint32_t(j - range_j * lp.recv_slices) * lp.slice_vectors : 0u;
+  const uint32_t cols = kPairs ? (col0 + lp.slice_vectors < nsum ? lp.slice_vectors : nsum - col0) : nsum;
+  const OwnRange range = own_range(env, a.ntok, lp, range_j);
   const FirstReads first = first_reads(env, a, range, receiver);
   const Round round = begin_round(env, kOpCombine, combine_call(a.expert_layout, dispatch_round));
   const uint64_t gen = round.gen;
   // The first batch's piece of the sums (row_pieces), while the loads are in flight.
   const int32_t first_rows = receiver && range.first_end > range.t0 ? range.first_end - range.t0 : 0;
-  const RowPieces pieces = row_pieces(uint32_t(first_rows), row_vectors<D>(env.layout.hidden * env.layout.elt, lp.vec));
+  const RowPieces pieces = row_pieces(uint32_t(first_rows), cols);
   if (threadIdx.x == 0) sh.run[0] = 0;
   const bool counts_ok = load_sources(env, sh.src, [&](int s, int64_t* ntok, int64_t* nrows, int64_t* chunk_tokens) {
     *ntok = first.src_tokens;  // load_sources calls this on thread s for source s
@@ -359,7 +368,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(Env env, CombineArgs 
   if (!receiver) {
     combine_sender<D, kPairs>(env, a, sh, gen, blockIdx.x, lp.send_blocks, lp.vec);
   } else if (counts_ok) {
-    combine_receiver<D, kSumUnroll, kPairs>(env, a, sh, round, range, first, pieces, lp.vec);
+    combine_receiver<D, kSumUnroll, kPairs>(env, a, sh, round, range, first, pieces, lp.vec, col0, cols);
   }
   finish_op(env, kOpCombine, gen);
 }
@@ -370,15 +379,18 @@ void launch_combine(const Env& env, const CombineArgs& a, Stream s) {
   const EpGrid g = combine_grid(a.ntok, env.world, env.sm_count);
   const int64_t C = ep_chunk_tokens(a.ntok);
   const int64_t payload = env.layout.hidden * env.layout.elt;
-  const EpLaunch lp{ep_own_block_tokens(a.ntok, env.world, env.sm_count), 0, g.send_blocks,
-                    row_vector(payload, {a.y, a.out}), int32_t(C), group_size(C)};
-  const int blocks = g.send_blocks + g.recv_blocks;
+  const int vec = row_vector(payload, {a.y, a.out});
   with_dtype(a.dtype, [&](auto dtype) {
     constexpr DType D = decltype(dtype)::value;
     // The sum loop's vectors of a row, as the receivers count them.
+    const uint32_t nsum = row_vectors<D>(payload, vec);
+    const int slices = combine_recv_slices(a.ntok, env.world, env.sm_count, payload, nsum, a.rows_of != nullptr);
+    const EpLaunch lp{ep_own_block_tokens(a.ntok, env.world, env.sm_count), 0, g.send_blocks, vec, int32_t(C),
+                      group_size(C), slices, uint32_t(ceil_div(nsum, slices))};
+    const int blocks = g.send_blocks + g.recv_blocks * slices;
     auto go = [&](auto kernel) { launch("combine", kernel, blocks, s, env, a, lp); };
     if (a.rows_of) go(combine_kernel<D, kShortUnroll, true>);
-    else if (combine_sums_short(lp.own_block_tokens, row_vectors<D>(payload, lp.vec)))
+    else if (combine_sums_short(lp.own_block_tokens, nsum))
       go(combine_kernel<D, kShortUnroll, false>);
     else go(combine_kernel<D, kRowUnroll, false>);
   });

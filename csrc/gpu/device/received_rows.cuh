@@ -53,8 +53,7 @@ RC_DEVICE void for_received_rows(const ReceivedShare& sh, Prepare prepare, Row r
     block_sync();
     for_row_pieces(uint32_t(n), sh.width, [&](uint32_t r, const RowSpan& s) {
       const int32_t u = b0 + int32_t(r);
-      const uint32_t lo = uint32_t(u % sh.slices) * sh.width, end = lo + s.end < sh.nvec ? lo + s.end : sh.nvec;
-      row(int(r), u / sh.slices, RowSpan{lo + s.first, s.stride, end, s.lead && lo == 0});
+      row(int(r), u / sh.slices, slice_span(s, uint32_t(u % sh.slices) * sh.width, sh.nvec));
     });
     block_sync();  // the batch's shared state is read before the next batch's prepare
   }

@@ -22,6 +22,10 @@ struct EpLaunch {
   // This rank's tokens in combine chunks: ep_chunk_tokens of them, and the
   // group size (group_size) for that chunk.
   int32_t own_chunk_tokens, own_group;
+  // Combine's receiver blocks per range of tokens, each a column slice of
+  // the range's rows of slice_vectors vectors (combine_recv_slices).
+  int32_t recv_slices;
+  uint32_t slice_vectors;
 };
 
 // Ids a token's routing loads at once without the top-k fast path.

@@ -31,6 +31,12 @@ struct RowSpan {
   bool lead;
 };
 
+// A span of a piece over one slice of a row (vectors from lo on), as the
+// row's vectors, below row_end; only a piece of the row's first slice leads.
+RC_DEVICE RowSpan slice_span(const RowSpan& s, uint32_t lo, uint32_t row_end) {
+  return {lo + s.first, s.stride, lo + s.end < row_end ? lo + s.end : row_end, s.lead && lo == 0};
+}
+
 // This warp's piece of a batch of rows * n vectors, taken row after row:
 // rows r..r_last, from vector v0 of the first to v_last (exclusive) of the
 // last; none where r > r_last. Each piece is a whole number of warp widths
