@@ -261,10 +261,10 @@ RC_HD int64_t expert_row_slices(int64_t received, int64_t row_bytes, int64_t vec
 // cut their range's rows into column slices, a block each, by
 // expert_row_slices' rule over the blocks the senders leave (slices of
 // kExpertSliceBytes or more, none empty). The rank layout's receivers keep
-// whole rows.
+// whole rows, and so does a rank without tokens (its one range only waits).
 RC_HD int combine_recv_slices(int64_t ntok, int world, int sm_count, int64_t row_bytes, int64_t vectors,
                               bool pair_rows) {
-  if (!pair_rows) return 1;
+  if (!pair_rows || ntok == 0) return 1;
   const EpGrid g = combine_grid(ntok, world, sm_count);
   return int(expert_row_slices(g.recv_blocks, row_bytes, vectors, ep_grid_budget(sm_count) - g.send_blocks));
 }

@@ -71,6 +71,20 @@ def test_rows_off_vector_boundaries_give_the_same_bits(world):
     check(world, ep_config(7, 256, 3, 2 * W, torch.bfloat16, 16), 8, [7, 2, 0, 5][:W], "random", True, offset=1)
 
 
+@pytest.mark.parametrize("hidden, offset", [(7168, 0), (7200, 0), (7200, 1)])
+@pytest.mark.parametrize("cap", [8, 64])
+def test_decode_rows_wide_enough_to_slice(world, hidden, offset, cap):
+    # A decode step of rows of 1 KiB or more: on GPUs the placement cuts
+    # them into slices over the grid (expert_row_slices) and combine's
+    # receivers sum them a column slice a block (combine_recv_slices). 7168
+    # bf16 channels are 896 16-byte vectors, 7200 are 900, so the last
+    # slice is shorter; one element off a 16-byte boundary, the rows go as
+    # 2-byte vectors. On a prefill-sized capacity too.
+    W = world.size
+    check(world, ep_config(cap, hidden, 8, 8 * W, torch.bfloat16, 1), hidden + cap, [8, 3, 8, 0][:W], "random",
+          True, offset=offset)
+
+
 @pytest.mark.parametrize("alignment", [1, 16, 128])
 def test_skewed_routing_every_token_to_one_expert(world, alignment):
     W = world.size

@@ -214,15 +214,18 @@ def test_combine_receivers_slice_pair_rows_over_the_blocks_the_senders_leave(wor
     # Receivers that sum an expert layout's pair rows cut their range's rows
     # into column slices, a block each: expert_row_slices' rule over the
     # receiver ranges and the blocks the senders leave, so the grid stays
-    # within the EP budget. The rank layout's receivers keep whole rows.
+    # within the EP budget. The rank layout's receivers keep whole rows, and
+    # so does a rank without tokens (its one range only waits).
     budget = max(2, min(sms - 2, _C.testing.max_launch_blocks))
     for ntok in (0, 1, 8, 128, 4096):
         send, recv = _C.testing.combine_grid(ntok, world, sms)
         for row_bytes, vectors in ((14336, 896), (14336, 7168), (16384, 1024), (64, 4), (2, 1)):
             assert _C.testing.combine_recv_slices(ntok, world, sms, row_bytes, vectors, False) == 1
             slices = _C.testing.combine_recv_slices(ntok, world, sms, row_bytes, vectors, True)
-            assert slices == _C.testing.expert_row_slices(recv, row_bytes, vectors, budget - send)
+            assert slices == (1 if ntok == 0 else _C.testing.expert_row_slices(recv, row_bytes, vectors, budget - send))
             assert 1 <= slices and send + recv * slices <= budget
+            # launch_combine's slices of ceil(vectors / slices) vectors: none empty.
+            assert (slices - 1) * ceil_div(vectors, slices) < vectors
     # A decode step of H = 7168 bf16 (896 16-byte vectors a row) on an H200:
     # its 8 receiver ranges take 14 slices of 64 vectors each; a prefill's
     # ranges keep whole rows.
@@ -232,7 +235,7 @@ def test_combine_receivers_slice_pair_rows_over_the_blocks_the_senders_leave(wor
 
 
 @pytest.mark.parametrize("sms", [1, 8, H200_SMS])
-@pytest.mark.parametrize("resident", [1, 2])
+@pytest.mark.parametrize("resident", [0, 1, 2])
 def test_expert_placement_grid_has_a_warp_per_padding_row(sms, resident):
     # Expert e's alignment padding is at most alignment - 1 rows, each zeroed
     # by a warp of its own (16 warps of 32 lanes in a block), as far as the
@@ -242,7 +245,7 @@ def test_expert_placement_grid_has_a_warp_per_padding_row(sms, resident):
         for experts, alignment in ((1, 1), (256, 1), (256, 16), (64, 128), (1, 128)):
             want = max(rows, ceil_div(experts * (alignment - 1), warps))
             blocks = _C.testing.expert_place_blocks(rows, experts, alignment, sms, resident)
-            assert blocks == min(max(want, sms), resident * sms)
+            assert blocks == min(max(want, sms), max(resident, 1) * sms)
             assert blocks >= _C.testing.expert_row_blocks(rows, sms, resident)
 
 
