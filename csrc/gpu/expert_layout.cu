@@ -32,6 +32,7 @@
 
 #include "../bounds.h"
 #include "../policies.h"
+#include "device/copy.cuh"
 #include "device/pair_rows.cuh"
 #include "device/received_rows.cuh"
 #include "device/rows.cuh"
@@ -210,11 +211,21 @@ struct ExpertTables {
   RC_DEVICE int32_t count(int64_t e) const { return counts ? counts[e] : __popc(masks[e]); }
 };
 
+// The first chunk's ids, weights and recv_src values (what the one-chunk
+// tally and the pairs read first, where received_row_source reads its
+// sources) into L1 while the counts load: a decode step's rows are that
+// chunk, and the W * cap rows hold it whatever the counts say.
+template <typename IdxT>
+RC_DEVICE void prefetch_first_chunk(const ExpertLayoutArgs& a) {
+  const int64_t rows = a.rows < kChunkRows ? a.rows : kChunkRows, K = a.topk;
+  prefetch_lines_l1(a.ids, rows * K * int64_t(sizeof(IdxT)));
+  if (a.weights) prefetch_lines_l1(a.weights, rows * K * dtype_bytes(a.weights_dtype));
+  if (a.heap_gen && a.own_x) prefetch_lines_l1(a.recv_src, rows * int64_t(sizeof(int32_t)));
+}
+
 // The one chunk's tally, by every thread of the block: thread j < received
 // sets bit j of the mask of each local expert that its row has. (The tally
 // kernel's rule, for one chunk: pair_slots keeps the ids within [0, E).)
-// The first line of row j's weights and its recv_src value, which the
-// placement reads next, are on their way to L1 meanwhile.
 template <typename IdxT>
 RC_DEVICE void tally_one_chunk(const ExpertLayoutArgs& a, int32_t received, uint32_t* masks) {
   const int K = int(a.topk);
@@ -223,8 +234,6 @@ RC_DEVICE void tally_one_chunk(const ExpertLayoutArgs& a, int32_t received, uint
   block_sync();
   if (int32_t(threadIdx.x) < received) {
     const int64_t j = threadIdx.x;
-    if (a.weights) prefetch_l1(static_cast<const char*>(a.weights) + j * K * dtype_bytes(a.weights_dtype));
-    if (a.heap_gen && a.own_x) prefetch_l1(a.recv_src + j);  // read where received_row_source reads it
     const IdxT* row = static_cast<const IdxT*>(a.ids) + j * K;
     for (uint64_t m = pair_slots(row, K, E); m != 0; m &= m - 1)
       atomicOr(&masks[row[lowest_bit(m)]], 1u << threadIdx.x);
@@ -393,6 +402,7 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
   // writes this parity of the heap before that dispatch has published.
   __shared__ uint64_t heap_gen_shared;
   if (threadIdx.x == 0) heap_gen_shared = a.heap_gen ? *a.heap_gen : 0;
+  prefetch_first_chunk<IdxT>(a);
   const int32_t received = rows_received(a.counts, a.world, a.rows);  // loaded beside the counter
   const ReceivedShare share = received_share(received, rb, uint32_t(nvec));
   block_sync();  // one load of the counter (uncached on HIP) per block
