@@ -22,21 +22,43 @@ RC_DEVICE uint32_t fp8_row_units(int64_t hidden) { return uint32_t(fp8_num_scale
 // Blocks in flight per warp in the FP8 row loops.
 constexpr int kFp8Unroll = 4;
 
-// The warp's block of unit v: its index and this lane's first channel. A
-// lane past the span (the span ends on a block boundary, so it is the whole
-// warp) has no channels.
+// A lane's part of one block: the block's index, the lane's first channel
+// and how many of its channels lie below H (none for a lane past the span:
+// the span ends on a block boundary, so that is the whole warp); the lead
+// lane stores the block's scale.
 struct Fp8Lane {
   uint32_t block;  // fits: a row's units are 32-bit
   int64_t first;
-  int count;  // channels of this lane below H
-  bool lead;  // the lane that stores the block's scale
+  int count;
+  bool lead;
 };
-RC_DEVICE Fp8Lane fp8_lane(uint32_t v, const RowSpan& s, int64_t hidden) {
+
+// The warp's kFp8Unroll blocks in flight from unit v0 of span s. A span's
+// stride is the warp's width (for_row_pieces), so they are consecutive
+// blocks at the same lane: one first block, first channel and lead for
+// all of them, a count each (fewer registers than a whole Fp8Lane each,
+// which the destinations' stores keep across their address arithmetic).
+struct Fp8Blocks {
+  uint32_t block0;
+  int64_t first0;
+  bool lead;
+  int count[kFp8Unroll];
+  RC_DEVICE Fp8Lane lane(int u) const {
+    return {block0 + uint32_t(u), first0 + int64_t(u) * kFp8Block, count[u], lead};
+  }
+};
+RC_DEVICE Fp8Blocks fp8_blocks(uint32_t v0, const RowSpan& s, int64_t hidden) {
   const int ws = warp_size(), per_lane = kFp8Block / ws;
-  const uint32_t block = v / uint32_t(ws);
-  const int64_t first = int64_t(block) * kFp8Block + int64_t(v % uint32_t(ws)) * per_lane;
-  const int64_t left = v < s.end ? hidden - first : 0;
-  return {block, first, int(left < 0 ? 0 : (left < per_lane ? left : per_lane)), v % uint32_t(ws) == 0};
+  Fp8Blocks b;
+  b.block0 = v0 / uint32_t(ws);
+  b.first0 = int64_t(b.block0) * kFp8Block + int64_t(v0 % uint32_t(ws)) * per_lane;
+  b.lead = v0 % uint32_t(ws) == 0;
+#pragma unroll
+  for (int u = 0; u < kFp8Unroll; ++u) {
+    const int64_t left = v0 + uint32_t(u * ws) < s.end ? hidden - (b.first0 + int64_t(u) * kFp8Block) : 0;
+    b.count[u] = int(left < 0 ? 0 : (left < per_lane ? left : per_lane));
+  }
+  return b;
 }
 
 // Rows of whole blocks whose starts are 16-byte aligned (`vector`, from the
@@ -75,20 +97,19 @@ RC_DEVICE void store_lane_bytes(uint8_t* q, const Fp8Lane& l, bool vec, uint32_t
 // The blocks of span `s` of token row x (H channels of dtype t), quantised
 // by the FP8 rule; the bytes go to q_of(d) and the scales to scales_of(d)
 // for every rank d in `mask` (the same on every lane). kFp8Unroll blocks at
-// a time: their loads are in flight together, then their amaxes reduce.
+// a time: their loads are in flight together, then their amaxes reduce,
+// then each destination's row and scales addresses (about 20 instructions
+// each, from shared-memory positions) serve all of their stores.
 template <typename QOf, typename ScalesOf>
 RC_DEVICE void quantize_fp8_row(const void* x, DType t, int64_t hidden, bool vector, QOf q_of, ScalesOf scales_of,
                                 uint32_t mask, const RowSpan& s) {
   const bool vec = fp8_lane_vectors(vector);
   for (uint32_t v0 = s.first; v0 < s.end; v0 += s.stride * kFp8Unroll) {
-    Fp8Lane l[kFp8Unroll];
+    const Fp8Blocks blocks = fp8_blocks(v0, s, hidden);
     float val[kFp8Unroll][kFp8LaneChannels];
     uint32_t amax[kFp8Unroll];
 #pragma unroll
-    for (int u = 0; u < kFp8Unroll; ++u) {
-      l[u] = fp8_lane(v0 + u * s.stride, s, hidden);
-      load_lane(x, t, l[u], vec, val[u]);
-    }
+    for (int u = 0; u < kFp8Unroll; ++u) load_lane(x, t, blocks.lane(u), vec, val[u]);
 #pragma unroll
     for (int u = 0; u < kFp8Unroll; ++u) {
       amax[u] = 0;
@@ -102,19 +123,29 @@ RC_DEVICE void quantize_fp8_row(const void* x, DType t, int64_t hidden, bool vec
         const uint32_t other = uint32_t(warp_shfl_xor(int(amax[u]), o));
         amax[u] = other > amax[u] ? other : amax[u];
       }
+    float scale[kFp8Unroll];
+    uint32_t q[kFp8Unroll];
 #pragma unroll
     for (int u = 0; u < kFp8Unroll; ++u) {
-      if (l[u].count == 0) continue;
-      const float scale = fp8_scale(bits_float(amax[u]));
-      const Fp8Divisor divisor = fp8_divisor(scale);
+      scale[u] = fp8_scale(bits_float(amax[u]));
+      const Fp8Divisor divisor = fp8_divisor(scale[u]);
       float quot[kFp8LaneChannels];
 #pragma unroll
       for (int i = 0; i < kFp8LaneChannels; ++i) quot[i] = fp8_quotient(val[u][i], divisor);
-      const uint32_t q = fp8x4_bits(quot);
-      for (uint32_t m = mask; m != 0; m &= m - 1) {
-        const int d = lowest_bit(m);
-        store_lane_bytes(reinterpret_cast<uint8_t*>(q_of(d)), l[u], vec, q);
-        if (l[u].lead) scales_of(d)[l[u].block] = scale;
+      q[u] = fp8x4_bits(quot);
+    }
+#pragma unroll 1
+    for (uint32_t m = mask; m != 0; m &= m - 1) {
+      const int d = lowest_bit(m);
+      uint8_t* qd = reinterpret_cast<uint8_t*>(q_of(d));
+#pragma unroll
+      for (int u = 0; u < kFp8Unroll; ++u)
+        if (blocks.count[u] > 0) store_lane_bytes(qd, blocks.lane(u), vec, q[u]);
+      if (blocks.lead) {
+        float* sd = scales_of(d);
+#pragma unroll
+        for (int u = 0; u < kFp8Unroll; ++u)
+          if (blocks.count[u] > 0) sd[blocks.block0 + u] = scale[u];
       }
     }
   }
