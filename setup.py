@@ -21,7 +21,7 @@ CPU_SOURCES = ["csrc/bindings.cpp", "csrc/ops.cpp", "csrc/eager.cpp", "csrc/tran
                "csrc/cpu/cpu_comm.cpp", "csrc/cpu/cpu_ep.cpp", "csrc/torch_dist/dist_comm.cpp",
                "csrc/gpu/gpu_transport.cpp"]
 # One .cu per op family (all_reduce.cu, all_reduce_rmsnorm.cu, dispatch.cu, combine.cu, expert_layout.cu,
-# probe.cu).
+# expert_sum.cu, probe.cu).
 GPU_SOURCES = ["csrc/gpu/gpu_comm.cpp", "csrc/gpu/runtime.cpp"] + sorted(glob.glob("csrc/gpu/*.cu"))
 
 

@@ -1,11 +1,10 @@
 // The expert layout on the device (docs/semantics.md, "Expert layout";
 // ep_layouts.cpp runs the same rule on the host for CPU tensors): a
 // rank-layout dispatch result's received rows grouped by local expert
-// (launch_expert_layout), and the pair-row sums that take an expert-layout y
-// back to rank-layout rows (launch_expert_sum: the dist transport's; the
-// GPU transport's combine sums the pair rows itself). Plain stream-ordered
-// kernels: they wait for no flag, so they need no co-residency; the GPU
-// transport's placement reads the rows where dispatch left them (heap_gen):
+// (launch_expert_layout; expert_sum.cu takes an expert-layout y back to
+// rank-layout rows). Plain stream-ordered kernels: they wait for no flag,
+// so they need no co-residency; the GPU transport's placement reads the
+// rows where dispatch left them (heap_gen):
 // the peers' in its heap, this rank's own in dispatch's input (or in its
 // rank-layout output: rows the op quantised to FP8, and rows of whole
 // 16-byte vectors in an input off 16-byte boundaries). They go over the rows
@@ -26,8 +25,6 @@
 // Rows received that fit one chunk (expert_places_one_chunk) skip 1 and 2:
 // each placement block runs them itself on its own shared copy of the
 // tables (block 0 writes the outputs), so a decode step pays one kernel.
-// The dist transport's pair-row sums take a share of the received rows'
-// slices per block too.
 #include <type_traits>
 
 #include "../bounds.h"
@@ -460,33 +457,6 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
   place_padding<V>(a, tables, nvec);
 }
 
-// Each received row of the rank layout: its pair rows of y summed
-// (pair_rows.cuh), for the transports whose combine takes rank-layout rows.
-template <DType D>
-__global__ void __launch_bounds__(kThreads) expert_sum_kernel(ExpertSumArgs a, int vec) {
-  __shared__ uint64_t terms[kBatchRows];
-  const int K = int(a.topk);
-  const int64_t payload = a.hidden * int64_t(sizeof(typename Elem<D>::Raw));
-  const char* y = static_cast<const char*>(a.y);
-  char* out = static_cast<char*>(a.out);
-  const int32_t received = rows_received(a.counts, a.world, a.rows);
-  auto prepare = [&](int r, int32_t j, bool) {
-    const uint64_t m = pair_terms(a.rows_of + int64_t(j) * K, K, a.expert_rows);
-    if (lane_id() == 0) terms[r] = m;
-  };
-  const uint32_t nvec = row_vectors<D>(payload, vec);
-  const int64_t vector_bytes = payload / nvec;
-  for_received_rows(received_share(received, payload, nvec), prepare, [&](int r, int32_t j, const RowSpan& s) {
-    const int32_t* rows_of = a.rows_of + int64_t(j) * K;
-    auto row_of = [&](int k) { return y + int64_t(rows_of[k]) * payload; };
-    // The terms' first lines of this lane's span are on their way before
-    // the sum reads them a term at a time.
-    for (uint64_t m = terms[r]; m != 0; m &= m - 1)
-      prefetch_l1(row_of(lowest_bit(m)) + int64_t(s.first) * vector_bytes);
-    sum_pair_rows<D, kRowUnroll>(y, payload, rows_of, terms[r], out + int64_t(j) * payload, vec, s);
-  });
-}
-
 }  // namespace
 
 void launch_expert_layout(const ExpertLayoutArgs& a, Stream s) {
@@ -508,15 +478,6 @@ void launch_expert_layout(const ExpertLayoutArgs& a, Stream s) {
     else place(expert_place_kernel<IdxT, uint8_t>);
   };
   a.ids_int64 ? go(VecTag<int64_t>{}) : go(VecTag<int32_t>{});
-}
-
-void launch_expert_sum(const ExpertSumArgs& a, Stream s) {
-  const int vec = row_vector(a.hidden * dtype_bytes(a.dtype), {a.y, a.out});
-  auto run = [&](auto kernel) {
-    RC_LAUNCH(kernel, expert_row_blocks(a.rows, a.sm_count, resident_blocks_per_sm(kernel, kThreads)), kThreads, 0, s,
-              a, vec);
-  };
-  with_dtype(a.dtype, [&](auto dtype) { run(expert_sum_kernel<decltype(dtype)::value>); });
 }
 
 }  // namespace gpu

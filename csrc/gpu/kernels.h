@@ -1,6 +1,6 @@
 // Launch interface of the device kernels, one launch_* per op family, each
 // defined in its own .cu (all_reduce.cu, all_reduce_rmsnorm.cu, dispatch.cu,
-// combine.cu, expert_layout.cu, probe.cu).
+// combine.cu, expert_layout.cu, expert_sum.cu, probe.cu).
 // Plain types only (no torch), so the kernels compile on their own as CUDA or
 // as HIP for any target.
 #pragma once

@@ -2,7 +2,7 @@
 // "Expert layout"): received row j is the sum of its pair rows, the valid
 // values of expert_rows_of[j] in their order (ascending expert), as sum_row
 // sums (fp32 from the first, rounded once; zeros for none). The expert
-// layout's sum kernel (expert_layout.cu) writes them out; the GPU
+// layout's sum kernel (expert_sum.cu) writes them out; the GPU
 // transport's combine sums them where it reads row j (combine.cu).
 #pragma once
 
