@@ -131,8 +131,8 @@ def t_disagree(ctx, case: str, odd_rank: int, seed: int):
         try:
             call()
             later.append(None)
-        except RuntimeError as e:
-            later.append(str(e))
+        except (ValueError, RuntimeError) as e:
+            later.append((type(e).__name__, str(e)))
     c.close()
     # The way back: a new communicator on the same group.
     with _comm(ctx) as fresh:
@@ -152,13 +152,14 @@ def test_disagreeing_calls_raise_on_every_rank_at_once(worlds, transport, size, 
     results = world.run(t_disagree, case, odd, data.draw(st.integers(0, 99), label="seed"))
     for rank, (raised, message, elapsed, later, again, segments) in enumerate(results):
         where = f"{case}, rank {rank} (rank {odd} differs)"
-        assert raised is not None, f"{where}: returned a result"
+        assert raised == "ValueError", f"{where}: raised {raised}: {message}"
         assert "disagree on round" in message, f"{where}: {message}"
         assert f"rank {rank} called" in message, f"{where}: {message}"
         if rank != odd:
             assert f"rank {odd} called" in message, f"{where}: {message}"
         assert elapsed < FOUND_WITHIN_S, f"{where}: found after {elapsed:.2f} s"
-        assert all(m is not None and "disagree" in m and "unusable" in m for m in later), f"{where}: {later}"
+        assert all(m is not None and m[0] == "RuntimeError" and "disagree" in m[1] and "unusable" in m[1]
+                   for m in later), f"{where}: {later}"
         assert torch.equal(again, torch.full((16,), float(sum(range(1, size + 1))))), f"{where}: {again}"
         assert segments == [], f"{where}: {segments}"
         if transport == "cpu" and size == 2 and odd == 1 and rank == 0:  # the documented example
