@@ -188,27 +188,34 @@ class ProcessWorld:
         failures: dict[int, str] = {}
         died = False
         deadline = math.inf if timeout is None else time.monotonic() + timeout
-        while rank_of and time.monotonic() < deadline:
-            for conn in wait(list(rank_of), timeout=None if deadline == math.inf else deadline - time.monotonic()):
-                r = rank_of[conn]
-                try:
-                    kind, value = pickle.loads(conn.recv_bytes())
-                except (EOFError, OSError):
-                    self.procs[r].join(1)
-                    if r in dies:
-                        kind, value = "done", self.procs[r].exitcode
+        try:
+            while rank_of and time.monotonic() < deadline:
+                for conn in wait(list(rank_of), timeout=None if deadline == math.inf else deadline - time.monotonic()):
+                    r = rank_of[conn]
+                    try:
+                        kind, value = pickle.loads(conn.recv_bytes())
+                    except (EOFError, OSError):
+                        self.procs[r].join(1)
+                        if r in dies:
+                            kind, value = "done", self.procs[r].exitcode
+                        else:
+                            kind, value, died = "error", f"died (exit code {self.procs[r].exitcode})", True
+                    if kind == "message":
+                        on_message(value)
+                        continue
+                    del rank_of[conn]
+                    if kind == "done":
+                        results[r] = value
                     else:
-                        kind, value, died = "error", f"died (exit code {self.procs[r].exitcode})", True
-                if kind == "message":
-                    on_message(value)
-                    continue
-                del rank_of[conn]
-                if kind == "done":
-                    results[r] = value
-                else:
-                    if not failures:
-                        deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
-                    failures[r] = value
+                        if not failures:
+                            deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+                        failures[r] = value
+        except BaseException:
+            # Interrupted (a test's own timeout, Ctrl-C) with replies still
+            # owed: a later call would take them for its own.
+            if rank_of:
+                self.kill()
+            raise
         within = f"{FAILURE_GRACE_S} s of the first failure" if failures else f"{timeout} s"
         for r in rank_of.values():
             failures[r] = f"did not answer within {within}"

@@ -3,6 +3,7 @@ peers (an error within the timeout, never a hang), /dev/shm hygiene."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -89,6 +90,37 @@ def test_the_worlds_error_exchange_gives_every_rank_every_error(world_small):
     for errors, none, raised in world_small.run(t_rank_errors_reach_every_rank):
         assert errors == expected and none == []
         assert raised == ("the check:\n" + expected[0] if expected else None)
+
+
+def t_sleep(ctx, seconds):
+    time.sleep(seconds)
+    return ctx.rank
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_a_call_interrupted_with_replies_owed_kills_the_world():
+    # A test's own timeout (pytest-timeout) interrupts World.run mid-wait: the
+    # world is killed, so the next test asks for a fresh one and never takes
+    # the abandoned task's replies for its own.
+    def interrupt(signum, frame):
+        raise Interrupted()
+
+    with World(2, "cpu") as world:
+        world.run(t_sleep, 0)
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.5)
+            with pytest.raises(Interrupted):
+                world.run(t_sleep, 30)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        assert not world.alive
+    with World(2, "cpu") as fresh:
+        assert fresh.run(t_sleep, 0) == [0, 1]
 
 
 def t_skip_one_call(ctx, skipper):
