@@ -3,6 +3,7 @@
 # with 2+ GPUs (or one, with RDNA4_COMM_ALLOW_SHARED_GPU=1: ranks share it).
 # Used on the device machines:
 #   bash scripts/gpu_check.sh [pytest args...]
+# (test paths among the args, tests/...: only those run; else the whole suite)
 # Env: RDNA4_COMM_TEST_EXAMPLES (hypothesis example scale, default 0.3 here),
 #      RDNA4_COMM_TEST_JOBS (N > 1: test files in N pytest-xdist workers, each
 #        with worlds of its own, so the whole suite fits one device command;
@@ -27,10 +28,12 @@ TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" \
 echo "build: $(( $(date +%s) - start )) s"
 python3 -c "import rdna4_comm as rc; assert rc._C.with_gpu, 'built without GPU support'; print('with_gpu', rc._C.with_gpu)"
 [ "${RDNA4_COMM_SKIP_TESTS:-0}" = 1 ] && exit 0
+targets=(tests)
+for arg in "$@"; do case "$arg" in tests/*) targets=(); break ;; esac; done
 jobs=()
 if [ "${RDNA4_COMM_TEST_JOBS:-1}" -gt 1 ]; then
   python3 -c "import xdist" 2>/dev/null || { echo "RDNA4_COMM_TEST_JOBS needs pytest-xdist"; exit 1; }
   jobs=(-n "$RDNA4_COMM_TEST_JOBS" --dist loadfile)
 fi
 RDNA4_COMM_TEST_TRANSPORTS="${RDNA4_COMM_TEST_TRANSPORTS:-gpu}" RDNA4_COMM_TEST_EXAMPLES="${RDNA4_COMM_TEST_EXAMPLES:-0.3}" \
-  python3 -m pytest tests -q -p no:warnings -p no:cacheprovider ${jobs[@]+"${jobs[@]}"} "$@" 2>&1 | tee "$OUT/tests.log"
+  python3 -m pytest ${targets[@]+"${targets[@]}"} -q -p no:warnings -p no:cacheprovider ${jobs[@]+"${jobs[@]}"} "$@" 2>&1 | tee "$OUT/tests.log"
