@@ -1,7 +1,9 @@
 """Worlds of spawned processes on this host, one per rank (package-internal).
 
 The tests, the benchmarks and the demo all start their worlds here. A
-:class:`ProcessWorld` spawns W processes that meet at one rendezvous address.
+:class:`ProcessWorld` spawns W processes that meet at one rendezvous: a
+torch.distributed file store in a directory of the world's own, so that
+worlds started at once (pytest-xdist workers) never race for a TCP port.
 Each builds its per-rank state with a ``setup`` function, then runs the tasks
 the launcher sends until it is closed. A task may send messages to the
 launcher while it runs (:meth:`Member.tell`).
@@ -19,8 +21,10 @@ import math
 import multiprocessing
 import os
 import pickle
+import shutil
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -46,7 +50,8 @@ class WorldFailed(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now, for a world's rendezvous."""
+    """A TCP port on 127.0.0.1 that is free now, for the rendezvous of a
+    one-process world (a benchmark's own process as its only rank)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -69,7 +74,7 @@ def to_cpu(obj):
 @dataclass(frozen=True)
 class Member:
     """What a rank process knows of its world when its setup runs: its rank,
-    the world size, the rendezvous address for torch.distributed, and its
+    the world size, the rendezvous (an init_method) for torch.distributed, and its
     pipe to the launcher."""
 
     rank: int
@@ -141,7 +146,8 @@ class ProcessWorld:
 
     def __init__(self, size: int, setup: Callable, setup_args: tuple = ()):
         spawn = multiprocessing.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self._rendezvous = tempfile.mkdtemp(prefix="rdna4_comm_world_")
+        init_method = "file://" + os.path.join(self._rendezvous, "store")
         self.size = size
         self._conns: list[Connection] = []
         self.procs: list = []
@@ -232,12 +238,14 @@ class ProcessWorld:
         self.procs[rank].join(CLOSE_TIMEOUT_S)
 
     def kill(self) -> None:
-        """Kill every rank still alive (SIGKILL) and wait for them."""
+        """Kill every rank still alive (SIGKILL) and wait for them; remove the
+        rendezvous directory."""
         for p in self.procs:
             if p.is_alive():
                 p.kill()
         for p in self.procs:
             p.join(CLOSE_TIMEOUT_S)
+        shutil.rmtree(self._rendezvous, ignore_errors=True)
 
     def close(self) -> None:
         """Tell every live rank to close its state and exit; kill those that
