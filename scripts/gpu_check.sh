@@ -8,7 +8,9 @@
 #      RDNA4_COMM_TEST_JOBS (N > 1: test files in N pytest-xdist workers, each
 #        with worlds of its own, so the whole suite fits one device command;
 #        the deadlines of test_faults and the soak then run on a loaded machine),
-#      OUT (directory for logs; default ./gpu_check_out).
+#      OUT (directory for logs; default ./gpu_check_out; each failure is
+#        written to $OUT/failures.txt as it happens, for runs cut off by a
+#        time limit before pytest's summary).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -35,5 +37,6 @@ if [ "${RDNA4_COMM_TEST_JOBS:-1}" -gt 1 ]; then
   python3 -c "import xdist" 2>/dev/null || { echo "RDNA4_COMM_TEST_JOBS needs pytest-xdist"; exit 1; }
   jobs=(-n "$RDNA4_COMM_TEST_JOBS" --dist loadfile)
 fi
-RDNA4_COMM_TEST_TRANSPORTS="${RDNA4_COMM_TEST_TRANSPORTS:-gpu}" RDNA4_COMM_TEST_EXAMPLES="${RDNA4_COMM_TEST_EXAMPLES:-0.3}" \
+: > "$OUT/failures.txt"
+RDNA4_COMM_FAILURES="$OUT/failures.txt" RDNA4_COMM_TEST_TRANSPORTS="${RDNA4_COMM_TEST_TRANSPORTS:-gpu}" RDNA4_COMM_TEST_EXAMPLES="${RDNA4_COMM_TEST_EXAMPLES:-0.3}" \
   python3 -m pytest ${targets[@]+"${targets[@]}"} -q -p no:warnings -p no:cacheprovider ${jobs[@]+"${jobs[@]}"} "$@" 2>&1 | tee "$OUT/tests.log"

@@ -75,9 +75,28 @@ def world_small(request, worlds) -> World:
     return worlds(*request.param)
 
 
+class FailuresAtOnce:
+    """Each failing test's id and report appended to a file as it fails, so
+    that a run cut off by a time limit (the device machines' commands) still
+    says what failed: pytest's summary comes only at the end."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def pytest_runtest_logreport(self, report):
+        if report.failed:
+            with open(self.path, "a") as f:
+                f.write(f"=== {report.nodeid} [{report.when}] {report.duration:.1f} s\n{report.longreprtext}\n")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: a minute or more on the 2-core CI machine (-m 'not slow' skips them)")
     config.addinivalue_line("markers", "vllm: end to end through vLLM's CPU build (-m vllm runs them alone)")
+    # RDNA4_COMM_FAILURES=path: FailuresAtOnce, in the process that prints
+    # the results (pytest-xdist's workers hand their reports to it).
+    path = os.environ.get("RDNA4_COMM_FAILURES")
+    if path and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(FailuresAtOnce(path), "rdna4_comm_failures_at_once")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -121,6 +123,22 @@ def test_a_call_interrupted_with_replies_owed_kills_the_world():
         assert not world.alive
     with World(2, "cpu") as fresh:
         assert fresh.run(t_sleep, 0) == [0, 1]
+
+
+def test_failures_reach_their_file_as_they_happen(tmp_path):
+    # scripts/gpu_check.sh sets RDNA4_COMM_FAILURES: a run cut off by the
+    # device command's limit has no summary, but the file names what failed.
+    (tmp_path / "test_two.py").write_text("def test_fails():\n    assert 1 == 2\n\ndef test_passes():\n    pass\n")
+    here = os.path.dirname(os.path.abspath(__file__))
+    failures = tmp_path / "failures.txt"
+    env = dict(os.environ, RDNA4_COMM_FAILURES=str(failures),
+               PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+                          str(tmp_path / "test_two.py")], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 1, run.stdout + run.stderr
+    text = failures.read_text()
+    assert text.startswith("=== test_two.py::test_fails [call]") and "assert 1 == 2" in text, text
+    assert "test_passes" not in text
 
 
 def t_skip_one_call(ctx, skipper):
