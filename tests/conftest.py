@@ -21,7 +21,7 @@ def gpu_world_sizes() -> list[int]:
     return sorted({2, n}) if n >= 2 else []
 
 
-def _selected(transport: str) -> bool:
+def transport_selected(transport: str) -> bool:
     wanted = os.environ.get("RDNA4_COMM_TEST_TRANSPORTS", "cpu,dist,gpu").split(",")
     return transport in wanted
 
@@ -30,9 +30,9 @@ def _selected(transport: str) -> bool:
 # dist runs the shared suites at W = 2 and 4 only, to keep the whole suite
 # within CI's minutes on 2 cores; test_dist checks it bitwise against the
 # CPU transport at W = 1 to 4.
-CPU_WORLDS = ([("cpu", w) for w in (1, 2, 3, 4)] if _selected("cpu") else []) + (
-    [("dist", w) for w in (2, 4)] if _selected("dist") else [])
-GPU_WORLDS = [("gpu", w) for w in gpu_world_sizes()] if _selected("gpu") else []
+CPU_WORLDS = ([("cpu", w) for w in (1, 2, 3, 4)] if transport_selected("cpu") else []) + (
+    [("dist", w) for w in (2, 4)] if transport_selected("dist") else [])
+GPU_WORLDS = [("gpu", w) for w in gpu_world_sizes()] if transport_selected("gpu") else []
 ALL_WORLDS = CPU_WORLDS + GPU_WORLDS
 # Transports of the tests that kill a rank (each starts worlds of its own).
 KILL_TRANSPORTS = ["cpu", "dist"] + (["gpu"] if GPU_WORLDS else [])
@@ -41,10 +41,14 @@ world_ids = [f"{t}{w}" for t, w in ALL_WORLDS]
 
 @pytest.fixture(scope="session")
 def worlds():
-    """worlds(transport, size) -> a live World, spawned once per session."""
+    """worlds(transport, size) -> a live World, spawned once per session; the
+    calling test skips where RDNA4_COMM_TEST_TRANSPORTS leaves the transport
+    out (tests that name a world of their own, e.g. worlds("cpu", 2), too)."""
     cache: dict = {}
 
     def get(transport: str, size: int) -> World:
+        if not transport_selected(transport):
+            pytest.skip(f"transport {transport!r} not selected by RDNA4_COMM_TEST_TRANSPORTS")
         w = cache.get((transport, size))
         if w is None or not w.alive:
             w = cache[(transport, size)] = World(size, transport)

@@ -13,7 +13,7 @@ import gpu_testing
 import pytest
 import torch
 from common import ROUTINGS, assert_bitwise, assert_dispatched, ep_inputs, examples, expert_fn, rand
-from conftest import GPU_WORLDS
+from conftest import GPU_WORLDS, transport_selected
 from harness import World
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -40,6 +40,8 @@ def cpu_worlds():
     no_gpu = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": ""}
 
     def get(size: int) -> World:
+        if not (transport_selected("cpu") and transport_selected("dist")):
+            pytest.skip("the dist and cpu transports are not both selected by RDNA4_COMM_TEST_TRANSPORTS")
         if size not in cache or not cache[size].alive:
             cache[size] = World(size, "cpu", env_of_rank={r: no_gpu for r in range(size)})
         return cache[size]

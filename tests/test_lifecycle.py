@@ -125,6 +125,14 @@ def test_a_call_interrupted_with_replies_owed_kills_the_world():
         assert fresh.run(t_sleep, 0) == [0, 1]
 
 
+def test_a_world_of_an_unselected_transport_skips_its_test(worlds, monkeypatch):
+    # The GPU runs select "gpu" alone: the tests that name a CPU world of
+    # their own skip there instead of loading the machine (CI runs them).
+    monkeypatch.setenv("RDNA4_COMM_TEST_TRANSPORTS", "gpu")
+    with pytest.raises(pytest.skip.Exception, match="'cpu' not selected"):
+        worlds("cpu", 2)
+
+
 def test_failures_reach_their_file_as_they_happen(tmp_path):
     # scripts/gpu_check.sh sets RDNA4_COMM_FAILURES: a run cut off by the
     # device command's limit has no summary, but the file names what failed.
