@@ -44,6 +44,11 @@ std::string Comm::call_name(uint64_t word) {
   return s.str();
 }
 
+void Comm::raise_mismatch(uint64_t round, uint64_t mine, int peer, uint64_t theirs) {
+  failure_ = mismatch_message(round, mine, peer, theirs);
+  TORCH_CHECK_VALUE(false, failure_);
+}
+
 std::string Comm::mismatch_message(uint64_t round, uint64_t mine, int peer, uint64_t theirs) const {
   const std::string there = " on rank " + std::to_string(peer);
   std::vector<std::string> differ;

@@ -311,6 +311,13 @@ class Comm {
   static std::string call_name(uint64_t word);
   // Rank `peer`'s word of round `round` differs from this rank's `mine`.
   std::string mismatch_message(uint64_t round, uint64_t mine, int peer, uint64_t theirs) const;
+  // That mismatch's first report, a ValueError on every transport; it stays
+  // in failure_ for the later calls.
+  void raise_mismatch(uint64_t round, uint64_t mine, int peer, uint64_t theirs);
+  // A failure reported once (a call mismatch, a timeout, a dead peer, a bad
+  // handle found after its op): every later call and check() raise its
+  // text as a RuntimeError.
+  std::string failure_;
   // A wait of round `round` (this rank's call word `mine`) on `peer` timed
   // out; `peer_words` are the peer's two call slots in this rank's memory,
   // which tell whether it made this round's call at all.

@@ -218,8 +218,7 @@ uint64_t CpuComm::begin_round(int op, uint64_t fields) {
 void CpuComm::check_call_of(int peer) {
   const uint64_t theirs = load_acquire(layout_.call_slot(signals(cfg_.rank), round_, peer));
   if (call_of_round(theirs, round_) && theirs != word_) {
-    failure_ = mismatch_message(round_, word_, peer, theirs);
-    TORCH_CHECK_VALUE(false, failure_);
+    raise_mismatch(round_, word_, peer, theirs);
   }
 }
 

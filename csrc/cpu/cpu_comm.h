@@ -96,7 +96,6 @@ class CpuComm final : public Comm {
   std::string name_;
   bool unlinked_ = false;
   std::vector<char*> bases_;
-  std::string failure_;
   uint64_t round_ = 0, word_ = 0;  // the round being run and this rank's call word of it
 };
 

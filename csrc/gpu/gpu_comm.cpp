@@ -224,7 +224,7 @@ class GpuComm final : public Comm {
   }
 
   void check() override {
-    TORCH_CHECK(mismatch_.empty(), mismatch_);
+    TORCH_CHECK(failure_.empty(), failure_);
     const uint64_t word = __atomic_load_n(error_host_, __ATOMIC_ACQUIRE);
     if (word == 0) return;
     TORCH_CHECK(error_cause(word) != kErrorPeerExited, exit_message(error_peer(word)));
@@ -237,11 +237,7 @@ class GpuComm final : public Comm {
     if (error_cause(word) == kErrorCallMismatch) {
       uint64_t words[2] = {};
       RC_GPU_CHECK(memcpy_to_host(words, layout_.mismatch(own, peer), sizeof(words)));
-      // Its first report is the ValueError that the CPU and dist transports
-      // raise at the call itself; every later call and check() raise the
-      // same text as a RuntimeError, as theirs do.
-      mismatch_ = mismatch_message(round, words[0], peer, words[1]);
-      TORCH_CHECK_VALUE(false, mismatch_);
+      raise_mismatch(round, words[0], peer, words[1]);
     }
     uint64_t mine = 0, theirs[2] = {};
     RC_GPU_CHECK(memcpy_to_host(&mine, layout_.call_slot(own, round, cfg_.rank), sizeof(mine)));
@@ -442,7 +438,6 @@ class GpuComm final : public Comm {
 
   Env env_;
   uint64_t* error_host_ = nullptr;
-  std::string mismatch_;  // a call mismatch, once check() has reported it
   int32_t* probe_result_ = nullptr;
   Event last_launch_ = nullptr;
   bool launched_ = false;

@@ -322,8 +322,7 @@ class DistComm final : public Comm {
     for (int r = 0; r < cfg_.world; ++r) {
       const uint64_t theirs = uint64_t(words.data_ptr<int64_t>()[r]);
       if (theirs != word) {
-        failure_ = mismatch_message(round_, word, r, theirs);
-        TORCH_CHECK_VALUE(false, failure_);
+        raise_mismatch(round_, word, r, theirs);
       }
     }
     return gen;
@@ -392,7 +391,6 @@ class DistComm final : public Comm {
   at::Device device_;
   std::array<uint64_t, kNumOps> generations_{};
   uint64_t round_ = 0;  // the round being run (calls.h)
-  std::string failure_;
 };
 
 }  // namespace
