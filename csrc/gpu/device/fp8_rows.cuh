@@ -22,30 +22,27 @@ RC_DEVICE uint32_t fp8_row_units(int64_t hidden) { return uint32_t(fp8_num_scale
 // Blocks in flight per warp in the FP8 row loops.
 constexpr int kFp8Unroll = 4;
 
-// A lane's part of one block: the block's index, the lane's first channel
-// and how many of its channels lie below H (none for a lane past the span:
-// the span ends on a block boundary, so that is the whole warp); the lead
-// lane stores the block's scale.
+// A lane's channels of one block: its first channel and how many of them
+// lie below H (none for a lane past the span: the span ends on a block
+// boundary, so that is the whole warp).
 struct Fp8Lane {
-  uint32_t block;  // fits: a row's units are 32-bit
   int64_t first;
   int count;
-  bool lead;
 };
 
 // The warp's kFp8Unroll blocks in flight from unit v0 of span s. A span's
 // stride is the warp's width (for_row_pieces), so they are consecutive
-// blocks at the same lane: one first block, first channel and lead for
-// all of them, a count each (fewer registers than a whole Fp8Lane each,
-// which the destinations' stores keep across their address arithmetic).
+// blocks at the same lane: one first block (its index fits 32 bits: a
+// row's units do), first channel and lead (the lane that stores the
+// blocks' scales) for all of them, a count each (fewer registers than an
+// Fp8Lane each, which the destinations' stores keep across their address
+// arithmetic).
 struct Fp8Blocks {
   uint32_t block0;
   int64_t first0;
   bool lead;
   int count[kFp8Unroll];
-  RC_DEVICE Fp8Lane lane(int u) const {
-    return {block0 + uint32_t(u), first0 + int64_t(u) * kFp8Block, count[u], lead};
-  }
+  RC_DEVICE Fp8Lane lane(int u) const { return {first0 + int64_t(u) * kFp8Block, count[u]}; }
 };
 RC_DEVICE Fp8Blocks fp8_blocks(uint32_t v0, const RowSpan& s, int64_t hidden) {
   const int ws = warp_size(), per_lane = kFp8Block / ws;
