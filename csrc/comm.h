@@ -187,7 +187,9 @@ class Comm {
   // makes seven).
   virtual at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype) const;
   // Raises if an earlier op failed (e.g. timed out); ops call it on entry.
-  virtual void check() = 0;
+  // This one raises failure_; a transport whose failures the device
+  // records (GPU) reads those after it.
+  virtual void check() { TORCH_CHECK(failure_.empty(), failure_); }
 
   // Peers whose process this process can see (same host and pid namespace),
   // so a wait gives up as soon as one of them exits, long before the timeout.

@@ -101,8 +101,6 @@ std::string CpuComm::finish() {
   return "";
 }
 
-void CpuComm::check() { TORCH_CHECK(failure_.empty(), failure_); }
-
 // all_reduce, as the GPU runs it: rank o owns share o (allreduce_shares),
 // cut into allreduce_blocks pieces, and piece b flags slot b. This thread
 // runs the GPU grid's blocks one after another, in block order on every

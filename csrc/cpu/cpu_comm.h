@@ -36,7 +36,6 @@ class CpuComm final : public Comm {
   void connect(const std::vector<std::string>& names) override;
   std::string finish() override;
   at::Device device() const override { return at::Device(at::kCPU); }
-  void check() override;
 
  protected:
   void all_reduce_chunk(at::ScalarType st, const char* in, char* out, int64_t m, bool one_shot) override;

@@ -224,7 +224,7 @@ class GpuComm final : public Comm {
   }
 
   void check() override {
-    TORCH_CHECK(failure_.empty(), failure_);
+    Comm::check();
     const uint64_t word = __atomic_load_n(error_host_, __ATOMIC_ACQUIRE);
     if (word == 0) return;
     TORCH_CHECK(error_cause(word) != kErrorPeerExited, exit_message(error_peer(word)));

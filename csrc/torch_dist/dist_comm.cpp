@@ -89,8 +89,6 @@ class DistComm final : public Comm {
 
   at::Device device() const override { return device_; }
 
-  void check() override { TORCH_CHECK(failure_.empty(), failure_); }
-
  protected:
   // The fused op: the rows' rank-ordered sum through all_reduce_chunk, then
   // the residual add and the norm with ATen ops on the op's device (this
