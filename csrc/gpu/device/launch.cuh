@@ -8,7 +8,6 @@
 
 #include <initializer_list>
 #include <map>
-#include <mutex>
 #include <utility>
 
 namespace rdna4_comm {
@@ -43,14 +42,13 @@ __host__ __device__ __forceinline__ void with_dtype(DType d, F&& f) {
 
 // Blocks of `threads` threads of `kernel` that one multiprocessor holds at
 // once, given the kernel's registers and shared memory: asked of the
-// runtime once per kernel and block size. Kernels of one signature share a
-// type, so the answers are kept by the kernel's address.
+// runtime once per kernel, block size and host thread (a cache of each
+// thread's own: every launch asks, and needs no lock). Kernels of one
+// signature share a type, so the answers are kept by the kernel's address.
 template <typename Kernel>
 int resident_blocks_per_sm(Kernel kernel, int threads) {
-  static std::mutex mu;
-  static std::map<std::pair<const void*, int>, int> known;
+  thread_local std::map<std::pair<const void*, int>, int> known;
   const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), threads};
-  std::lock_guard<std::mutex> lock(mu);
   auto it = known.find(key);
   if (it != known.end()) return it->second;
   int n = 0;
