@@ -17,9 +17,19 @@ constexpr float kFp8AmaxFloor = 1e-12f;
 
 RC_HD int64_t fp8_num_scales(int64_t hidden) { return (hidden + kFp8Block - 1) / kFp8Block; }
 
-// The block's scale from its amax. A NaN amax stays NaN (a plain max would
-// drop it), so a NaN in the block makes every q of the block NaN.
-RC_HD float fp8_scale(float amax) { return (amax < kFp8AmaxFloor ? kFp8AmaxFloor : amax) / kFp8Max; }
+// The block's scale from its amax: max(amax, floor) / 448, the IEEE
+// quotient, taken as the product by 1/448 and one FMA correction by the
+// remainder (exact), which is the quotient on every finite amax
+// (tests/fp8_quotient_check.cpp tries each); an infinite or NaN amax makes
+// the remainder NaN and keeps the product, inf or NaN, as the division
+// does. A NaN amax stays NaN (a plain max would drop it), so a NaN in the
+// block makes every q of the block NaN.
+constexpr float kFp8InverseMax = 1.0f / kFp8Max;
+RC_HD float fp8_scale(float amax) {
+  const float a = amax < kFp8AmaxFloor ? kFp8AmaxFloor : amax;
+  const float product = a * kFp8InverseMax, remainder = fma_rn(-product, kFp8Max, a);
+  return remainder == remainder ? fma_rn(remainder, kFp8InverseMax, product) : product;
+}
 
 // |v| folded into a running amax held as its bits (start at 0; the amax
 // is bits_float of the result): |v| clears the sign bit, as torch's abs

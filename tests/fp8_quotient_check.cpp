@@ -2,7 +2,8 @@
 // scale of the FP8 rule (a NaN's sign aside), wherever the rule divides (|x|
 // <= amax of the block, scale = fp8_scale(amax)): exhaustively for bf16 and
 // fp16 x and amax, and for fp32 x at random and next to every FP8 rounding
-// boundary. Prints one line per case, "<case> <pairs> <mismatches> <first x
+// boundary; and fp8_scale against the IEEE quotient max(amax, floor) / 448
+// on every non-negative fp32 amax (case "scale": x is 0). Prints one line per case, "<case> <pairs> <mismatches> <first x
 // bits> <first amax bits> <quotients that differ>", and exits 1 on any
 // mismatch. Built and run by tests/test_fp8.py.
 #include <algorithm>
@@ -104,6 +105,27 @@ Tally fp32_cases() {
   return t;
 }
 
+// fp8_scale on every non-negative fp32 pattern (infinity and the NaNs
+// included) against the division it stands for; two NaNs match.
+Tally scale_cases(int threads) {
+  std::vector<Tally> part(static_cast<size_t>(threads));
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      Tally& tally = part[size_t(t)];
+      for (uint32_t ab = uint32_t(t); ab <= 0x7fffffffu; ab += uint32_t(threads)) {
+        const float a = bits_float(ab), mine = fp8_scale(a), ieee = (a < kFp8AmaxFloor ? kFp8AmaxFloor : a) / kFp8Max;
+        ++tally.pairs;
+        if (float_bits(mine) != float_bits(ieee) && !(mine != mine && ieee != ieee) && tally.mismatches++ == 0)
+          tally.first_amax = ab;
+      }
+    });
+  for (auto& th : pool) th.join();
+  Tally all;
+  for (const Tally& p : part) all.add(p);
+  return all;
+}
+
 void report(const char* name, const Tally& t, int* failed) {
   std::printf("%s %llu %llu 0x%08x 0x%08x %llu\n", name, (unsigned long long)t.pairs,
               (unsigned long long)t.mismatches, t.first_x, t.first_amax, (unsigned long long)t.other_quotients);
@@ -118,5 +140,6 @@ int main() {
   report("bf16", exhaustive([](uint32_t b) { return from_bf16(b); }, threads), &failed);
   report("fp16", exhaustive([](uint32_t h) { return from_fp16(h); }, threads), &failed);
   report("fp32", fp32_cases(), &failed);
+  report("scale", scale_cases(threads), &failed);
   return failed;
 }
