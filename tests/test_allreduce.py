@@ -46,6 +46,12 @@ def test_matches_reference(world, seed, shapes, dtype):
     check_against_reference(world, seed, shapes, [dtype] * len(shapes))
 
 
+def test_empty_tensors_between_others(world):
+    """Empty tensors (whose data pointer is null) reduce to empty results,
+    and the calls around them to the reference's."""
+    check_against_reference(world, 5, [(0,), (7,), (3, 0), (9,)], DTYPES + [torch.float32])
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_both_sides_of_the_algorithm_boundary(world, dtype):
     elt = torch.tensor([], dtype=dtype).element_size()

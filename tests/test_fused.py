@@ -86,6 +86,13 @@ def test_matches_the_unfused_composition(world, calls):
     check_calls(world, calls)
 
 
+def test_no_rows_between_others(world):
+    """x of no rows (a null data pointer) gives empty results, and the calls
+    around it their own."""
+    check_calls(world, [(3, 0, 64, torch.float32, False, torch.float32), (4, 5, 64, torch.bfloat16, True, torch.float32),
+                        (5, 0, 8, torch.bfloat16, True, torch.bfloat16), (6, 2, 8, torch.float16, False, torch.float16)])
+
+
 def test_model_hidden_sizes(world_small):
     # Decode (T = 1) and a small prefill of real models' hidden sizes, bf16.
     calls = [(7, T, H, torch.bfloat16, True, torch.bfloat16) for H in (2880, 5120, 7168, 8192, 16384) for T in (1, 9)]

@@ -106,8 +106,7 @@ class DistComm final : public Comm {
   }
 
   void rmsnorm_local(const RmsNormRows& c) override {
-    const auto opts = at::TensorOptions().dtype(c.dtype).device(device_);
-    auto rows = [&](const void* p) { return at::from_blob(const_cast<void*>(p), {c.rows, c.hidden}, opts); };
+    auto rows = [&](const void* p) { return over(p, {c.rows, c.hidden}, c.dtype); };
     at::Tensor r = rows(c.x);
     if (c.residual) r = (r.to(at::kFloat) + rows(c.residual).to(at::kFloat)).to(c.dtype);
     const at::Tensor r32 = r.to(at::kFloat);
@@ -119,8 +118,7 @@ class DistComm final : public Comm {
     const at::Tensor mean = f32(r32.to(at::kDouble).pow(2).sum(-1, /*keepdim=*/true) / double(c.hidden));
     const at::Tensor inv = f32(1.0 / f32(f32(mean + double(c.eps)).sqrt()));
     const at::Tensor normed = (r32.to(at::kDouble) * inv).to(at::kFloat).to(c.dtype);
-    const at::Tensor w = at::from_blob(const_cast<void*>(c.weight), {c.hidden},
-                                       opts.dtype(c.weight_fp32 ? at::kFloat : c.dtype));
+    const at::Tensor w = over(c.weight, {c.hidden}, c.weight_fp32 ? at::kFloat : c.dtype);
     rows(c.out).copy_((w.to(at::kFloat) * normed.to(at::kFloat)).to(c.dtype));
     rows(c.residual_out).copy_(r);
   }
@@ -133,8 +131,8 @@ class DistComm final : public Comm {
   void all_reduce_chunk(at::ScalarType st, const char* in, char* out, int64_t m, bool one_shot) override {
     const int W = cfg_.world;
     const auto opts = at::TensorOptions().device(device_).dtype(st);
-    at::Tensor input = at::from_blob(const_cast<char*>(in), {m}, opts);
-    at::Tensor output = at::from_blob(out, {m}, opts);
+    at::Tensor input = over(in, {m}, st);
+    at::Tensor output = over(out, {m}, st);
     const uint64_t gen = begin_round(kOpAllReduce, call_);
     if (one_shot) {
       at::Tensor inputs = at::empty({W, m}, opts);
@@ -301,6 +299,16 @@ class DistComm final : public Comm {
 
  private:
   uint64_t next_generation(int op) { return ++generations_[op]; }
+
+  // A tensor over an op's memory on this rank's device, which is given, not
+  // looked up from the pointer: an empty tensor's pointer is null, and
+  // CUDA's lookup refuses that.
+  at::Tensor over(const void* p, at::IntArrayRef sizes, at::ScalarType st) const {
+    return at::for_blob(const_cast<void*>(p), sizes)
+        .options(at::TensorOptions().device(device_).dtype(st))
+        .target_device(device_)
+        .make_tensor();
+  }
 
   // A round's start: its generation of op sequence `op` and, with
   // dist_check_calls, an all-gather of the ranks' call words (calls.h),
