@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The working tree (FP8 loop: next blocks in flight, dtype and whole-block
+# templates, scale without a division): build, bench_kernels, then the GPU
+# suite with ranks sharing the GPU until the deadline (failures in
+# $OUT/gpu/failures.txt as they happen).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export CXX=/usr/bin/g++ CC=/usr/bin/gcc TORCH_CUDA_ARCH_LIST=9.0
+ROOT=$PWD
+RES=$OUT; export OUT=/tmp/o/gpu; mkdir -p $OUT
+trap 'tar czf $RES/run.tgz -C /tmp o' EXIT
+T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+MAX_JOBS=16 python3 setup.py build_ext --inplace > /tmp/o/build.log 2>&1; echo "build rc=$? at $(el) s"
+PYTHONPATH=$ROOT timeout 150 python3 benchmarks/bench_kernels.py --rounds 3 --calls 30 --out /tmp/o/bk.jsonl > /tmp/o/bk.txt 2>&1
+echo "bench rc=$? at $(el) s"; grep -E "^ *[0-9]+  " /tmp/o/bk.txt | cut -c1-118
+RDNA4_COMM_ALLOW_SHARED_GPU=1 RDNA4_COMM_TEST_JOBS=12 RDNA4_COMM_TEST_EXAMPLES=0.15 timeout -s INT $(( ${DEADLINE:-570} - $(el) )) \
+  bash scripts/gpu_check.sh --timeout 200 -rfE --ignore=tests/test_vllm.py --ignore=tests/test_vllm_plugin.py \
+  --ignore=tests/test_hip_compile.py --ignore=tests/test_cuda_compile.py > /tmp/o/suite.txt 2>&1
+echo "suite rc=$? at $(el) s"; grep -v "Warning\|warner" /tmp/o/suite.txt | tail -8 | cut -c1-200
+grep "^===" $OUT/failures.txt | cut -c1-200
