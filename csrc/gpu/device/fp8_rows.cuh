@@ -96,9 +96,8 @@ RC_DEVICE void lane_floats(const Fp8LaneBits<kT>& b, float (&v)[kFp8LaneChannels
     if constexpr (kT == DType::kF32) {
       v[i] = __uint_as_float(b.w[i]);
     } else {
-      const uint32_t w = b.w[i / 2];
-      if constexpr (kT == DType::kBF16) v[i] = __uint_as_float(i % 2 ? w & 0xffff0000u : w << 16);
-      else v[i] = f16_bits_to_float(uint16_t(i % 2 ? w >> 16 : w));
+      const uint16_t h = uint16_t(i % 2 ? b.w[i / 2] >> 16 : b.w[i / 2]);
+      v[i] = kT == DType::kBF16 ? bf16_bits_to_float(h) : f16_bits_to_float(h);
     }
   }
 }
