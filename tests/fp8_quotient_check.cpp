@@ -3,9 +3,10 @@
 // <= amax of the block, scale = fp8_scale(amax)): exhaustively for bf16 and
 // fp16 x and amax, and for fp32 x at random and next to every FP8 rounding
 // boundary; and fp8_scale against the IEEE quotient max(amax, floor) / 448
-// on every non-negative fp32 amax (case "scale": x is 0). Prints one line per case, "<case> <pairs> <mismatches> <first x
-// bits> <first amax bits> <quotients that differ>", and exits 1 on any
-// mismatch. Built and run by tests/test_fp8.py.
+// on every non-negative fp32 amax (case "scale": x is 0). Prints one line
+// per case, "<case> <pairs> <mismatches> <first x bits> <first amax bits>
+// <quotients that differ>", and exits 1 on any mismatch. Built and run by
+// tests/test_fp8.py.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -54,27 +55,34 @@ struct Tally {
   }
 };
 
-// Every amax pattern of a 16-bit format (non-negative, NaN included) against
-// every x pattern with |x| <= amax, on `threads` threads.
-template <typename Of>
-Tally exhaustive(Of of, int threads) {
+// amax patterns [0, end) over `threads` threads, thread t taking t, t +
+// threads, ...: body(amax bits, that thread's tally); the tallies added up.
+template <typename Body>
+Tally over_amaxes(uint64_t end, int threads, Body body) {
   std::vector<Tally> part(static_cast<size_t>(threads));
   std::vector<std::thread> pool;
   for (int t = 0; t < threads; ++t)
     pool.emplace_back([&, t] {
-      for (uint32_t a = uint32_t(t); a < 0x8000u; a += uint32_t(threads)) {
-        const float amax = of(a);
-        for (uint32_t xb = 0; xb < 0x10000u; ++xb) {
-          const float x = of(xb);
-          if (amax == amax && !(bits_float(float_bits(x) & 0x7fffffffu) <= amax)) continue;
-          part[size_t(t)].check(x, amax, xb, a);
-        }
-      }
+      for (uint64_t a = uint64_t(t); a < end; a += uint64_t(threads)) body(uint32_t(a), part[size_t(t)]);
     });
   for (auto& th : pool) th.join();
   Tally all;
   for (const Tally& p : part) all.add(p);
   return all;
+}
+
+// Every amax pattern of a 16-bit format (non-negative, NaN included) against
+// every x pattern with |x| <= amax, on `threads` threads.
+template <typename Of>
+Tally exhaustive(Of of, int threads) {
+  return over_amaxes(0x8000u, threads, [&](uint32_t a, Tally& tally) {
+    const float amax = of(a);
+    for (uint32_t xb = 0; xb < 0x10000u; ++xb) {
+      const float x = of(xb);
+      if (amax == amax && !(bits_float(float_bits(x) & 0x7fffffffu) <= amax)) continue;
+      tally.check(x, amax, xb, a);
+    }
+  });
 }
 
 // fp32 x and amax: random pairs, and x next to scale * b for every FP8
@@ -108,22 +116,12 @@ Tally fp32_cases() {
 // fp8_scale on every non-negative fp32 pattern (infinity and the NaNs
 // included) against the division it stands for; two NaNs match.
 Tally scale_cases(int threads) {
-  std::vector<Tally> part(static_cast<size_t>(threads));
-  std::vector<std::thread> pool;
-  for (int t = 0; t < threads; ++t)
-    pool.emplace_back([&, t] {
-      Tally& tally = part[size_t(t)];
-      for (uint32_t ab = uint32_t(t); ab <= 0x7fffffffu; ab += uint32_t(threads)) {
-        const float a = bits_float(ab), mine = fp8_scale(a), ieee = (a < kFp8AmaxFloor ? kFp8AmaxFloor : a) / kFp8Max;
-        ++tally.pairs;
-        if (float_bits(mine) != float_bits(ieee) && !(mine != mine && ieee != ieee) && tally.mismatches++ == 0)
-          tally.first_amax = ab;
-      }
-    });
-  for (auto& th : pool) th.join();
-  Tally all;
-  for (const Tally& p : part) all.add(p);
-  return all;
+  return over_amaxes(uint64_t(1) << 31, threads, [](uint32_t ab, Tally& tally) {
+    const float a = bits_float(ab), mine = fp8_scale(a), ieee = (a < kFp8AmaxFloor ? kFp8AmaxFloor : a) / kFp8Max;
+    ++tally.pairs;
+    if (float_bits(mine) != float_bits(ieee) && !(mine != mine && ieee != ieee) && tally.mismatches++ == 0)
+      tally.first_amax = ab;
+  });
 }
 
 void report(const char* name, const Tally& t, int* failed) {

@@ -30,8 +30,7 @@ def test_first_program_runs_as_the_readme_shows(tmp_path):
     argv = shlex.split(command)
     assert argv[0] == "torchrun" and argv[-1] == name, command
     # The README's command as a shell runs it, with this interpreter's scripts (torchrun) first on PATH,
-    # and none of the library's variables (RDNA4_COMM_ALLOW_SHARED_GPU would put the ranks of a one-GPU
-    # machine on its GPU, where the program, which counts GPUs itself, keeps its tensors on the CPU).
+    # and none of the library's variables, which a reader of the README has not set.
     env = {k: v for k, v in os.environ.items() if not k.startswith("RDNA4_COMM_")}
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
