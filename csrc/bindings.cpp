@@ -184,7 +184,7 @@ void bind_policies(py::module_& m) {
   testing.def("ep_own_role_share", &ep_own_role_share, py::arg("world"), py::arg("sm_count"));
   testing.def("ep_own_block_tokens", &ep_own_block_tokens, py::arg("ntok"), py::arg("world"), py::arg("sm_count"));
   testing.def("dispatch_routes_all_tokens", &dispatch_routes_all_tokens, py::arg("ntok"));
-  testing.def("dispatch_prefetches_chunk", &dispatch_prefetches_chunk, py::arg("chunk_bytes"));
+  testing.def("block_prefetch_covers", &block_prefetch_covers, py::arg("bytes"));
   testing.def("combine_sums_short", &combine_sums_short, py::arg("block_tokens"), py::arg("row_vectors"));
   testing.def("dispatch_routing_warp", &dispatch_routing_warp, py::arg("batch_rows"), py::arg("topk"));
   testing.attr("gpu_routing_lanes") = kGpuRoutingLanes;

@@ -46,13 +46,12 @@ constexpr int kGpuBlockThreads = 512;
 // round more. Both give every row the same position.
 RC_HD bool dispatch_routes_all_tokens(int64_t ntok) { return ntok <= kGpuBlockThreads; }
 
-// Dispatch senders prefetch their chunk of input rows into L1 before they
-// route it, a line of kPrefetchLineBytes a thread, only where that covers
-// the whole chunk (csrc/gpu/dispatch.cu says why).
+// A block prefetches rows into L1 ahead of its copies (dispatch's senders
+// their chunk of input rows, the expert placement its share of the
+// received rows) only where the lines of kPrefetchLineBytes, as many as
+// the block has threads, cover all of them (csrc/gpu/dispatch.cu says why).
 constexpr int64_t kPrefetchLineBytes = 128;
-RC_HD bool dispatch_prefetches_chunk(int64_t chunk_bytes) {
-  return chunk_bytes <= int64_t(kGpuBlockThreads) * kPrefetchLineBytes;
-}
+RC_HD bool block_prefetch_covers(int64_t bytes) { return bytes <= int64_t(kGpuBlockThreads) * kPrefetchLineBytes; }
 
 // The EP kernels' row loops keep 8 vectors a lane in flight; a span of at
 // most kGpuShortUnroll vectors a lane (a small batch's rows) takes a loop

@@ -80,22 +80,23 @@ def test_dispatch_senders_route_every_token_while_the_tokens_fit_one_block():
         assert not _C.testing.dispatch_routes_all_tokens(ntok), ntok
 
 
-def test_dispatch_senders_prefetch_only_chunks_a_line_per_thread_covers():
-    # A sender block prefetches its chunk of input rows (a 128-byte line a
-    # thread) only where that covers the whole chunk: 64 KiB.
+def test_blocks_prefetch_only_rows_a_line_per_thread_covers():
+    # A block prefetches the rows it will copy (a dispatch sender's chunk,
+    # the expert placement's share) only where 128-byte lines, as many as
+    # it has threads, cover them: 64 KiB.
     covered = _C.testing.gpu_block_threads * 128
-    for chunk_bytes in (0, 1, 14336, covered - 1, covered):
-        assert _C.testing.dispatch_prefetches_chunk(chunk_bytes), chunk_bytes
-    for chunk_bytes in (covered + 1, 32 * 14336, 1 << 40):
-        assert not _C.testing.dispatch_prefetches_chunk(chunk_bytes), chunk_bytes
+    for nbytes in (0, 1, 14336, covered - 1, covered):
+        assert _C.testing.block_prefetch_covers(nbytes), nbytes
+    for nbytes in (covered + 1, 32 * 14336, 1 << 40):
+        assert not _C.testing.block_prefetch_covers(nbytes), nbytes
 
     # bench_kernels' rows on an H200, bf16: T = 8 and 128 prefetch, T = 4096 does not.
     def chunk_bytes(ntok, hidden):
         return _C.testing.ep_own_block_tokens(ntok, 1, H200_SMS) * hidden * 2
 
-    assert _C.testing.dispatch_prefetches_chunk(chunk_bytes(8, 4096))
-    assert _C.testing.dispatch_prefetches_chunk(chunk_bytes(128, 7168))
-    assert not _C.testing.dispatch_prefetches_chunk(chunk_bytes(4096, 7168))
+    assert _C.testing.block_prefetch_covers(chunk_bytes(8, 4096))
+    assert _C.testing.block_prefetch_covers(chunk_bytes(128, 7168))
+    assert not _C.testing.block_prefetch_covers(chunk_bytes(4096, 7168))
 
 
 def test_combine_sums_with_the_short_loop_only_where_no_lane_has_more_vectors():

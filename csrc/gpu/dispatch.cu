@@ -22,7 +22,7 @@ namespace {
 // block waits for its generation (a round trip, which the routing's loads
 // would otherwise follow): the ids it routes (every token's where it routes
 // them all), its chunk's weights, and its chunk's rows where a line per
-// thread covers them whole (dispatch_prefetches_chunk: prefetching the start
+// thread covers them whole (block_prefetch_covers: prefetching the start
 // of a larger chunk made large dispatches slower on an H200).
 // Nothing for a receiver block (its range is empty).
 template <typename IdxT, int kMode>
@@ -37,7 +37,7 @@ RC_DEVICE void prefetch_sender_inputs(const DispatchArgs& a, const Layout& L, co
     const int64_t w_bytes = K * dtype_bytes(a.weights_dtype);
     prefetch_lines_l1(static_cast<const char*>(a.topk_weights) + t0 * w_bytes, (t1 - t0) * w_bytes);
   }
-  if (dispatch_prefetches_chunk((t1 - t0) * in_row))
+  if (block_prefetch_covers((t1 - t0) * in_row))
     prefetch_lines_l1(static_cast<const char*>(a.x) + t0 * in_row, (t1 - t0) * in_row);
 }
 

@@ -24,7 +24,8 @@
 //     and stored to each of the row's pair rows; then the alignment padding.
 // Rows received that fit one chunk (expert_places_one_chunk) skip 1 and 2:
 // each placement block runs them itself on its own shared copy of the
-// tables (block 0 writes the outputs), so a decode step pays one kernel.
+// tables (block 0 writes the outputs), so a decode step pays one kernel,
+// and its warps find the rows' pairs before the tally, not after the scan.
 #include <type_traits>
 
 #include "../bounds.h"
@@ -209,33 +210,15 @@ struct ExpertTables {
 };
 
 // The first chunk's ids, weights and recv_src values (what the one-chunk
-// tally and the pairs read first, where received_row_source reads its
-// sources) into L1 while the counts load: a decode step's rows are that
-// chunk, and the W * cap rows hold it whatever the counts say.
+// pairs read first, where received_row_source reads its sources) into L1
+// while the counts load: a decode step's rows are that chunk, and the
+// W * cap rows hold it whatever the counts say.
 template <typename IdxT>
 RC_DEVICE void prefetch_first_chunk(const ExpertLayoutArgs& a) {
   const int64_t rows = a.rows < kChunkRows ? a.rows : kChunkRows, K = a.topk;
   prefetch_lines_l1(a.ids, rows * K * int64_t(sizeof(IdxT)));
   if (a.weights) prefetch_lines_l1(a.weights, rows * K * dtype_bytes(a.weights_dtype));
   if (a.heap_gen && a.own_x) prefetch_lines_l1(a.recv_src, rows * int64_t(sizeof(int32_t)));
-}
-
-// The one chunk's tally, by every thread of the block: thread j < received
-// sets bit j of the mask of each local expert that its row has. (The tally
-// kernel's rule, for one chunk: pair_slots keeps the ids within [0, E).)
-template <typename IdxT>
-RC_DEVICE void tally_one_chunk(const ExpertLayoutArgs& a, int32_t received, uint32_t* masks) {
-  const int K = int(a.topk);
-  const int64_t E = a.experts;
-  for (int64_t e = threadIdx.x; e < E; e += kThreads) masks[e] = 0;
-  block_sync();
-  if (int32_t(threadIdx.x) < received) {
-    const int64_t j = threadIdx.x;
-    const IdxT* row = static_cast<const IdxT*>(a.ids) + j * K;
-    for (uint64_t m = pair_slots(row, K, E); m != 0; m &= m - 1)
-      atomicOr(&masks[row[lowest_bit(m)]], 1u << threadIdx.x);
-  }
-  block_sync();
 }
 
 // Where received row j's payload and scales are: in x, the rank-layout
@@ -271,76 +254,141 @@ RC_DEVICE RowSource received_row_source(const ExpertLayoutArgs& a, uint64_t heap
   return {src, scales};
 }
 
-// Received row j's pairs, by one warp (pair_slots' rule, a lane per slot):
-// each lane loads its slots' ids and weights at once, and shuffles over the
-// slots in order tell each slot whether it starts a pair (no earlier slot
-// names its expert), the pair's weight (its slots' weights summed in fp32
-// in slot order from the first) and its place among the row's pairs (the
-// pairs of smaller experts). The pair's row is the expert's offset, plus
-// its rows in earlier chunks, plus the chunk's earlier rows that have it;
-// pair_row[place] gets it and `kept` its bit, where it falls within
-// expert_rows (a prefix: rows grow with the expert, so only the last
-// experts' pairs can fall past it; -1 and no bit for the others). With
-// `writes`, the warp also writes the row's expert_rows_of (the places' rows
-// in order, then -1) and the pairs' weights.
+// Received row j's pairs, by one warp (pair_slots' rule, a lane per slot:
+// slot k is lane k % warp size's, of group k / warp size): each lane loads
+// its slots' ids and weights at once, and shuffles over the slots in order
+// tell each slot whether it starts a pair (no earlier slot names its
+// expert), the pair's weight (its slots' weights summed in fp32 in slot
+// order from the first) and its place among the row's pairs (the pairs of
+// smaller experts come first).
+struct RowPairs {
+  int32_t expert[kSlotGroups];  // the slot's local expert; -1 for none (-1, past K, or outside [0, E))
+  float weight[kSlotGroups];    // the pair's weight, where the slot starts one
+  int place[kSlotGroups];
+  bool starts[kSlotGroups];
+};
 template <typename IdxT>
-RC_DEVICE void place_row_pairs(const ExpertLayoutArgs& a, const ExpertTables& t, int32_t j, bool writes,
-                               int32_t* pair_row, uint64_t* kept) {
+RC_DEVICE RowPairs row_pairs(const ExpertLayoutArgs& a, int32_t j) {
   const int ws = warp_size(), lane = lane_id(), K = int(a.topk);
   const int64_t E = a.experts, w0 = int64_t(j) * K;
   const IdxT* ids = static_cast<const IdxT*>(a.ids) + w0;
-  int32_t e[kSlotGroups];  // the slot's local expert; -1 for none (-1, past K, or outside [0, E))
-  float w[kSlotGroups], sum[kSlotGroups];
-  bool starts[kSlotGroups];
+  RowPairs p;
+  float own[kSlotGroups];  // the slot's own weight, for the later slots of its expert
 #pragma unroll
   for (int g = 0; g < kSlotGroups; ++g) {
     const int k = g * ws + lane;
     const IdxT id = k < K ? ids[k] : IdxT(-1);
-    e[g] = id >= 0 && int64_t(id) < E ? int32_t(id) : -1;
-    w[g] = a.weights && k < K ? load_as_float(a.weights, w0 + k, a.weights_dtype) : 0.f;
-    sum[g] = w[g];
-    starts[g] = e[g] >= 0;
-    if (k < K) pair_row[k] = -1;
+    p.expert[g] = id >= 0 && int64_t(id) < E ? int32_t(id) : -1;
+    own[g] = a.weights && k < K ? load_as_float(a.weights, w0 + k, a.weights_dtype) : 0.f;
+    p.weight[g] = own[g];
+    p.starts[g] = p.expert[g] >= 0;
+    p.place[g] = 0;
   }
-  warp_sync();  // every place's -1 is stored before a pair's row overwrites it
 #pragma unroll
   for (int gi = 0; gi < kSlotGroups; ++gi)
     for (int li = 0; li < ws && gi * ws + li < K; ++li) {
       const int i = gi * ws + li;
-      const int32_t ei = warp_shfl(e[gi], li);
-      const float wi = __int_as_float(warp_shfl(__float_as_int(w[gi]), li));
+      const int32_t ei = warp_shfl(p.expert[gi], li);
+      const float wi = __int_as_float(warp_shfl(__float_as_int(own[gi]), li));
 #pragma unroll
       for (int g = 0; g < kSlotGroups; ++g) {
         const int k = g * ws + lane;
-        if (e[g] < 0 || ei != e[g]) continue;
-        if (i < k) starts[g] = false;
-        else if (i > k) sum[g] += wi;
+        if (p.expert[g] < 0 || ei != p.expert[g]) continue;
+        if (i < k) p.starts[g] = false;
+        else if (i > k) p.weight[g] += wi;
       }
     }
-  int place[kSlotGroups] = {};
 #pragma unroll
   for (int gi = 0; gi < kSlotGroups; ++gi)
-    for (uint64_t m = gi * ws < K ? warp_ballot(starts[gi]) : 0; m != 0; m &= m - 1) {
-      const int32_t ei = warp_shfl(e[gi], lowest_bit(m));
+    for (uint64_t m = gi * ws < K ? warp_ballot(p.starts[gi]) : 0; m != 0; m &= m - 1) {
+      const int32_t ei = warp_shfl(p.expert[gi], lowest_bit(m));
 #pragma unroll
-      for (int g = 0; g < kSlotGroups; ++g) place[g] += ei < e[g];
+      for (int g = 0; g < kSlotGroups; ++g) p.place[g] += ei < p.expert[g];
     }
+  return p;
+}
+
+// Received row j's pairs (`p`, by the warp) get their rows: the expert's
+// offset, plus its rows in earlier chunks, plus the chunk's earlier rows
+// that have it. pair_row[place] gets the row and `kept` its bit, where it
+// falls within expert_rows (a prefix: rows grow with the expert, so only
+// the last experts' pairs can fall past it; -1 and no bit for the others).
+// With `writes`, the warp also writes the row's expert_rows_of (the places'
+// rows in order, then -1) and the pairs' weights.
+RC_DEVICE void place_pairs(const ExpertLayoutArgs& a, const ExpertTables& t, int32_t j, const RowPairs& p,
+                           bool writes, int32_t* pair_row, uint64_t* kept) {
+  const int ws = warp_size(), lane = lane_id(), K = int(a.topk);
+  const int64_t E = a.experts, w0 = int64_t(j) * K;
+  for (int k = lane; k < K; k += ws) pair_row[k] = -1;
+  warp_sync();  // every place's -1 is stored before a pair's row overwrites it
   const int64_t c = j / kChunkRows;
   const uint32_t below = (1u << (j % kChunkRows)) - 1u;
 #pragma unroll
   for (int g = 0; g < kSlotGroups; ++g) {
-    if (!starts[g]) continue;
-    const int64_t at = c * E + e[g];
-    const int64_t dest = int64_t(t.offsets[e[g]]) + (t.prefix ? t.prefix[at] : 0) + __popc(t.masks[at] & below);
+    if (!p.starts[g]) continue;
+    const int64_t at = c * E + p.expert[g];
+    const int64_t dest = int64_t(t.offsets[p.expert[g]]) + (t.prefix ? t.prefix[at] : 0) + __popc(t.masks[at] & below);
     if (dest >= a.expert_rows) continue;  // dropped, and raised at a later op (out_needed)
-    pair_row[place[g]] = int32_t(dest);
-    if (writes && a.weights) store_from_float(a.out_weights, dest, a.weights_dtype, sum[g]);
+    pair_row[p.place[g]] = int32_t(dest);
+    if (writes && a.weights) store_from_float(a.out_weights, dest, a.weights_dtype, p.weight[g]);
   }
   warp_sync();  // the pairs' rows are stored before the lanes read them back
   const uint64_t keep = pair_terms(pair_row, K, a.expert_rows);  // the places that got a row
   if (lane == 0) *kept = keep;
   if (writes)
     for (int k = lane; k < K; k += ws) a.out_rows_of[w0 + k] = pair_row[k];
+}
+
+// One chunk's rows (received <= kChunkRows), each found by a warp before
+// any table exists (row_pairs) and kept in shared memory: the pairs'
+// experts and weights by place, their count, and where the row's payload is.
+struct OneChunkRows {
+  int32_t expert[kChunkRows][kMaxTopk];
+  float weight[kChunkRows][kMaxTopk];
+  int32_t pairs[kChunkRows];
+  RowSource src[kChunkRows];
+  // Row j's pairs as row_pairs gave them, a pair per slot by place.
+  RC_DEVICE RowPairs of(int32_t j) const {
+    const int ws = warp_size();
+    RowPairs p;
+#pragma unroll
+    for (int g = 0; g < kSlotGroups; ++g) {
+      const int k = g * ws + lane_id();
+      p.starts[g] = k < pairs[j];
+      p.expert[g] = p.starts[g] ? expert[j][k] : -1;
+      p.weight[g] = p.starts[g] ? weight[j][k] : 0.f;
+      p.place[g] = k;
+    }
+    return p;
+  }
+  // Row j's pairs (`p`, by the warp) set the chunk's masks and are kept.
+  RC_DEVICE void keep(int32_t j, const RowPairs& p, const RowSource& rs, uint32_t* masks) {
+    int32_t n = 0;
+#pragma unroll
+    for (int g = 0; g < kSlotGroups; ++g) {
+      if (p.starts[g]) {
+        expert[j][p.place[g]] = p.expert[g];
+        weight[j][p.place[g]] = p.weight[g];
+        atomicOr(&masks[p.expert[g]], 1u << j);
+      }
+      n += __popcll(warp_ballot(p.starts[g]));
+    }
+    if (lane_id() == 0) {
+      pairs[j] = n;
+      src[j] = rs;
+    }
+  }
+};
+
+// The block's slices of received row j (from `row`, vectors of V) into L1.
+template <typename V>
+RC_DEVICE void prefetch_row_share(const ReceivedShare& sh, int32_t j, const char* row) {
+  const int32_t first = j * sh.slices;
+  const int32_t u0 = first > sh.u0 ? first : sh.u0, u1 = first + sh.slices < sh.u1 ? first + sh.slices : sh.u1;
+  if (u0 >= u1) return;
+  const int64_t v0 = int64_t(u0 - first) * sh.width, v1 = int64_t(u1 - first) * sh.width;
+  const int64_t end = v1 < int64_t(sh.nvec) ? v1 : int64_t(sh.nvec);
+  warp_prefetch_lines_l1(row + v0 * int64_t(sizeof(V)), (end - v0) * int64_t(sizeof(V)));
 }
 
 // The grid writes expert_rows_of of the rows not received: -1.
@@ -375,24 +423,31 @@ RC_DEVICE void place_padding(const ExpertLayoutArgs& a, const ExpertTables& t, i
   }
 }
 
-// Each received row's pairs get their rows (place_row_pairs); then the row
-// is loaded once, from x or where dispatch left it (received_row_source),
-// and stored to each of its pair rows (its scales too). Then the rows not
-// received (place_unreceived) and the alignment padding (place_padding).
+// Each received row's pairs get their rows (row_pairs, place_pairs); then
+// the row is loaded once, from x or where dispatch left it
+// (received_row_source), and stored to each of its pair rows (its scales
+// too). Then the rows not received (place_unreceived) and the alignment
+// padding (place_padding).
+//
+// One chunk's rows (expert_places_one_chunk) are found before the tables:
+// a warp per row finds its pairs, sets the chunk's masks (the tally) and
+// prefetches the row's slices in the block's share into L1, so that after
+// the offsets' scan a slice only looks its pairs' rows up.
 template <typename IdxT, typename V>
 __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs a) {
   // Slice r of the batch: its row's pairs' rows, and which of them are kept.
   __shared__ int32_t pair_row[kBatchRows][kMaxTopk];
   __shared__ uint64_t kept[kBatchRows];
   // And where its payload and scales are.
-  __shared__ const char* src_row[kBatchRows];
-  __shared__ const float* src_scales[kBatchRows];
-  // The tables of one chunk (ExpertTables).
+  __shared__ RowSource src[kBatchRows];
+  // The tables of one chunk (ExpertTables) and its rows.
   __shared__ uint32_t one_masks[kExpertOneChunkExperts];
   __shared__ int32_t one_offsets[kExpertOneChunkExperts + 1];
+  __shared__ OneChunkRows one_rows;
   __shared__ int32_t warp_tot[kMaxWarps];
   const int64_t E = a.experts, S = a.scales_per_row, rb = a.row_bytes;
   const int64_t nvec = rb / int64_t(sizeof(V));
+  const int nw = kThreads / warp_size(), warp = int(threadIdx.x) / warp_size();
   // The dispatch before this kernel on the stream stored its generation in
   // the counter at its end; the next dispatch starts after this kernel
   // (the GPU transport launches both in its stream order), and no peer
@@ -402,21 +457,29 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
   prefetch_first_chunk<IdxT>(a);
   const int32_t received = rows_received(a.counts, a.world, a.rows);  // loaded beside the counter
   const ReceivedShare share = received_share(received, rb, uint32_t(nvec));
-  block_sync();  // one load of the counter (uncached on HIP) per block
+  const bool one_chunk = expert_places_one_chunk(received, E);  // block-uniform
+  if (one_chunk)
+    for (int64_t e = threadIdx.x; e < E; e += kThreads) one_masks[e] = 0;
+  block_sync();  // one load of the counter (uncached on HIP) per block; the masks are clear
   const uint64_t heap_gen = heap_gen_shared;
   // A grid sized for the capacity has blocks past a decode step's slices
   // and padding rows: they skip the tables, whose chain of loads and
   // barriers costs as much as a copying block's, and would make a second
   // wave of the grid as long as the first. Block 0 stays: it writes the
   // outputs of one chunk's tables. (Block-uniform.)
-  if (blockIdx.x > 0 && share.empty() && int64_t(blockIdx.x) * (kThreads / warp_size()) >= padding_warps(a)) {
+  if (blockIdx.x > 0 && share.empty() && int64_t(blockIdx.x) * nw >= padding_warps(a)) {
     place_unreceived(a, received);
     return;
   }
-  const bool one_chunk = expert_places_one_chunk(received, E);  // block-uniform
   ExpertTables tables{a.out_offsets, a.out_counts, a.chunk_masks, a.chunk_prefix};
   if (one_chunk) {
-    tally_one_chunk<IdxT>(a, received, one_masks);
+    const bool prefetches = block_prefetch_covers(int64_t(share.u1 - share.u0) * share.width * int64_t(sizeof(V)));
+    for (int32_t j = warp; j < received; j += nw) {
+      const RowSource rs = received_row_source(a, heap_gen, j);
+      if (prefetches) prefetch_row_share<V>(share, j, rs.row);
+      one_rows.keep(j, row_pairs<IdxT>(a, j), rs, one_masks);
+    }
+    block_sync();  // the masks hold every row's pairs
     const bool outputs = blockIdx.x == 0;
     scan_expert_offsets(
         E, int32_t(a.alignment), [&](int64_t e) { return int32_t(__popc(one_masks[e])); },
@@ -439,18 +502,19 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
     tables = {one_offsets, nullptr, one_masks, nullptr};
   }
   auto prepare = [&](int r, int32_t j, bool writes) {
-    if (lane_id() == 0) {
-      const RowSource src = received_row_source(a, heap_gen, j);
-      src_row[r] = src.row;
-      src_scales[r] = src.scales;
+    if (one_chunk) {
+      if (lane_id() == 0) src[r] = one_rows.src[j];
+      place_pairs(a, tables, j, one_rows.of(j), writes, pair_row[r], &kept[r]);
+    } else {
+      if (lane_id() == 0) src[r] = received_row_source(a, heap_gen, j);
+      place_pairs(a, tables, j, row_pairs<IdxT>(a, j), writes, pair_row[r], &kept[r]);
     }
-    place_row_pairs<IdxT>(a, tables, j, writes, pair_row[r], &kept[r]);
   };
   for_received_rows(share, prepare, [&](int r, int32_t j, const RowSpan& s) {
     auto row_at = [&](int p) { return a.out_x + int64_t(pair_row[r][p]) * rb; };
-    copy_row<V, true>(src_row[r], row_at, kept[r], s);
-    if (src_scales[r] && s.lead)
-      copy_scales<true>(src_scales[r], S, [&](int p) { return a.out_scales + int64_t(pair_row[r][p]) * S; }, kept[r],
+    copy_row<V, true>(src[r].row, row_at, kept[r], s);
+    if (src[r].scales && s.lead)
+      copy_scales<true>(src[r].scales, S, [&](int p) { return a.out_scales + int64_t(pair_row[r][p]) * S; }, kept[r],
                         s);
   });
   place_unreceived(a, received);

@@ -36,6 +36,14 @@ RC_DEVICE void prefetch_lines_l1(const void* p, int64_t bytes) {
   const int64_t span = bytes + int64_t(at - line), off = int64_t(threadIdx.x) * kPrefetchLineBytes;
   if (bytes > 0 && off < span) prefetch_l1(reinterpret_cast<const char*>(line + uintptr_t(off)));
 }
+// The same by one warp, a line per lane and pass.
+RC_DEVICE void warp_prefetch_lines_l1(const void* p, int64_t bytes) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(p), line = at & ~uintptr_t(kPrefetchLineBytes - 1);
+  const int64_t span = bytes + int64_t(at - line);
+  if (bytes <= 0) return;
+  for (int64_t off = int64_t(lane_id()) * kPrefetchLineBytes; off < span; off += warp_size() * kPrefetchLineBytes)
+    prefetch_l1(reinterpret_cast<const char*>(line + uintptr_t(off)));
+}
 
 // Rows [0, nrows) of nvec vectors each, copied by the whole block over the
 // flattened (row, vector) space: one row still keeps every thread busy, and
