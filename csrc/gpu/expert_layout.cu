@@ -104,7 +104,8 @@ __global__ void __launch_bounds__(kThreads) expert_tally_kernel(ExpertLayoutArgs
 }
 
 // Exclusive prefix sum of v over the block's threads; *total gets the
-// block's sum on every thread.
+// block's sum on every thread. warp_tot is read after the call returns: a
+// barrier must pass before the next call.
 RC_DEVICE int32_t block_exclusive_sum(int32_t v, int32_t* total, int32_t (&warp_tot)[kMaxWarps]) {
   const int ws = warp_size(), nw = kThreads / ws, warp = int(threadIdx.x) / ws, lane = lane_id();
   int32_t inclusive = v;
@@ -119,7 +120,6 @@ RC_DEVICE int32_t block_exclusive_sum(int32_t v, int32_t* total, int32_t (&warp_
     before += w < warp ? warp_tot[w] : 0;
     sum += warp_tot[w];
   }
-  block_sync();  // every warp has read warp_tot before a later call writes it
   *total = sum;
   return before + inclusive - v;
 }
@@ -127,35 +127,27 @@ RC_DEVICE int32_t block_exclusive_sum(int32_t v, int32_t* total, int32_t (&warp_
 // Each expert's offset from its count: the counts of the experts before it,
 // each rounded up to the alignment A, summed. Thread e % kThreads calls
 // count(e) once for each expert e (passes of kThreads experts) and
-// store(e, count, offset); then thread 0 calls finish(end, needed) with the
-// end of the last expert's rows (offsets[E]) and the rows the pairs need
-// (the furthest end of an expert's rows: its alignment padding need not
-// fit). Every thread of the block calls it. Offsets and counts fit int32,
-// the outputs' dtype.
+// store(e, count, offset); the thread of the last expert then calls
+// finish(end, needed) with the end of the last expert's rows (offsets[E])
+// and the rows the pairs need (the furthest end of an expert's rows: its
+// alignment padding need not fit). Every thread of the block calls it, E >= 1
+// (num_experts is a positive multiple of the world size). Offsets and
+// counts fit int32, the outputs' dtype.
 template <typename Count, typename Store, typename Finish>
 RC_DEVICE void scan_expert_offsets(int64_t E, int32_t A, Count count, Store store, Finish finish,
                                    int32_t (&warp_tot)[kMaxWarps]) {
-  int32_t carry = 0, needed = 0;
+  int32_t carry = 0;
   for (int64_t e0 = 0; e0 < E; e0 += kThreads) {
+    if (e0 > 0) block_sync();  // every warp has read warp_tot of the last pass
     const int64_t e = e0 + threadIdx.x;
     const int32_t n = e < E ? count(e) : 0;
     int32_t total = 0;
     const int32_t offset = carry + block_exclusive_sum((n + A - 1) / A * A, &total, warp_tot);
-    if (e < E) {
-      store(e, n, offset);
-      needed = offset + n > needed ? offset + n : needed;
-    }
+    if (e < E) store(e, n, offset);
     carry += total;
-  }
-  for (int o = warp_size() / 2; o > 0; o /= 2) {
-    const int32_t other = warp_shfl_xor(needed, o);
-    needed = other > needed ? other : needed;
-  }
-  if (lane_id() == 0) warp_tot[threadIdx.x / warp_size()] = needed;
-  block_sync();
-  if (threadIdx.x == 0) {
-    for (int w = 0; w < kThreads / warp_size(); ++w) needed = warp_tot[w] > needed ? warp_tot[w] : needed;
-    finish(carry, needed);
+    // Expert e's rows end at offset + n <= offsets[e + 1] <= offsets[E - 1]:
+    // the last expert's end is the furthest.
+    if (e == E - 1) finish(carry, offset + n);
   }
 }
 
