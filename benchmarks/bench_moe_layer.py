@@ -4,7 +4,9 @@ combine): rdna4_comm's ExpertParallelMoEBlock with the rank layout and with
 the expert layout, each against the same layer over torch.distributed in
 the same run: all_gather of this rank's tokens and routing, this rank's
 experts over every gathered token, reduce_scatter of the results (NCCL/RCCL
-on GPUs, gloo on CPU processes).
+on GPUs, gloo on CPU processes), and against the unconverted HF block
+("hf_block": every expert on the rank, this rank's tokens, no
+communication; at W = 1 the layer the conversion replaces).
 
 Layer: transformers' MixtralSparseMoeBlock with hidden H, intermediate H,
 8 experts per rank (E = 8 W), top-2, bf16, grouped_mm experts; every rank
@@ -18,6 +20,7 @@ their rdna4_comm p50s. Needs transformers (setup.py extra "transformers").
 
     python benchmarks/bench_moe_layer.py --quick --transport cpu
     python benchmarks/bench_moe_layer.py --hidden 4096 --tokens 8 128
+    python benchmarks/bench_moe_layer.py --transport gpu --world 1 --hidden 7168 --tokens 8 128 4096
 """
 import sys
 
@@ -59,8 +62,9 @@ def layer_ops(ctx, comm, tokens: int, hidden: int, layout: str) -> list[Op]:
     W, E, dev = ctx.world, EXPERTS_PER_RANK * ctx.world, ctx.device
     x = (torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(ctx.rank)) / 4).to(DTYPE).to(dev)
     x3 = x.unsqueeze(0)  # the block takes [batch, sequence, hidden]
+    hf = mixtral_block(hidden, E).to(dev)  # the unconverted block: every expert on this rank
     with torch.no_grad():
-        expected = mixtral_block(hidden, E).to(dev)(x3).view(tokens, hidden)
+        expected = hf(x3).view(tokens, hidden)
         ep = ExpertParallelMoEBlock(mixtral_block(hidden, E).to(dev), comm, layout=layout)
         base = ExpertParallelMoEBlock(mixtral_block(hidden, E).to(dev), comm)  # its router and this rank's experts
     xg = torch.empty(W * tokens, hidden, dtype=DTYPE, device=dev)
@@ -88,6 +92,8 @@ def layer_ops(ctx, comm, tokens: int, hidden: int, layout: str) -> list[Op]:
            detail=f"ExpertParallelMoEBlock(layout={layout!r}): router, dispatch, experts, combine"),
         Op(ctx.baseline, run_baseline, check,
            detail="router, all_gather of x and the routing, this rank's experts on every token, reduce_scatter"),
+        Op("hf_block", torch.no_grad()(lambda: hf(x3)), check,
+           detail="the unconverted MixtralSparseMoeBlock on this rank's tokens, all E experts on the rank, no communication"),
     ]
 
 

@@ -100,14 +100,20 @@ def test_quick_benchmark(tmp_path, script, op, backends):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
-def test_bench_moe_layer_times_both_layouts_against_the_baseline(tmp_path):
+@pytest.mark.parametrize("world", [1, 2])
+def test_bench_moe_layer_times_both_layouts_against_the_baselines(tmp_path, world):
+    # Against the torch.distributed layer and the unconverted HF block; W = 1
+    # is the one-GPU case (a world of one on CPUs here).
     out = tmp_path / "results.jsonl"
-    r = run(str(ROOT / "benchmarks" / "bench_moe_layer.py"), "--quick", *FAST, "--tokens", "8", "--out", str(out))
+    r = run(str(ROOT / "benchmarks" / "bench_moe_layer.py"), "--quick", *FAST, "--tokens", "8", "--world", str(world),
+            "--out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [x for x in map(json.loads, out.read_text().splitlines()) if x["type"] == "result"]
     assert {(x["op"], x["backend"]) for x in rows} == {
-        (f"MoE layer ({layout} layout)", backend) for layout in ("rank", "expert") for backend in ("rdna4_comm", "gloo")}
+        (f"MoE layer ({layout} layout)", backend)
+        for layout in ("rank", "expert") for backend in ("rdna4_comm", "gloo", "hf_block")}
     assert all(x["p50_us"] > 0 and x["tokens"] == 8 for x in rows)
+    assert "speedup of rdna4_comm over hf_block" in r.stdout
 
 
 def test_bench_ep_fp8_runs_beside_bf16_against_both_gathers(tmp_path):
