@@ -48,8 +48,8 @@ RC_HD bool dispatch_routes_all_tokens(int64_t ntok) { return ntok <= kGpuBlockTh
 
 // A block prefetches rows into L1 ahead of its copies (dispatch's senders
 // their chunk of input rows, the expert placement its share of the
-// received rows) only where the lines of kPrefetchLineBytes, as many as
-// the block has threads, cover all of them (csrc/gpu/dispatch.cu says why).
+// received rows) only where their bytes are at most as many lines of
+// kPrefetchLineBytes as the block has threads (csrc/gpu/dispatch.cu says why).
 constexpr int64_t kPrefetchLineBytes = 128;
 RC_HD bool block_prefetch_covers(int64_t bytes) { return bytes <= int64_t(kGpuBlockThreads) * kPrefetchLineBytes; }
 

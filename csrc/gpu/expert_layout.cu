@@ -25,7 +25,7 @@
 // Rows received that fit one chunk (expert_places_one_chunk) skip 1 and 2:
 // each placement block runs them itself on its own shared copy of the
 // tables (block 0 writes the outputs), so a decode step pays one kernel,
-// and its warps find the rows' pairs before the tally, not after the scan.
+// and its warps find the rows' pairs as they tally them, not after the scan.
 #include <type_traits>
 
 #include "../bounds.h"
@@ -329,9 +329,10 @@ RC_DEVICE void place_padding(const ExpertLayoutArgs& a, const ExpertTables& t, i
 // padding (place_padding).
 //
 // One chunk's rows (expert_places_one_chunk) are found before the tables:
-// a warp per row finds its pairs, sets the chunk's masks (the tally) and
-// prefetches the row's slices in the block's share into L1, so that after
-// the offsets' scan a slice only looks its pairs' rows up.
+// a warp per row finds its pairs, sets the chunk's masks (the tally) and,
+// where block_prefetch_covers allows, prefetches the row's slices in the
+// block's share into L1 (prefetch_l1: none on HIP), so that after the
+// offsets' scan a slice only looks its pairs' rows up.
 template <typename IdxT, typename V>
 __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs a) {
   // Slice r of the batch: its row's pairs' rows, and which of them are kept.

@@ -46,8 +46,9 @@ RC_DEVICE uint64_t pair_slots(const IdxT* ids, int K, int64_t E) {
 }
 
 // Exclusive prefix sum of v over the block's threads; *total gets the
-// block's sum on every thread. warp_tot is read after the call returns: a
-// barrier must pass before the next call.
+// block's sum on every thread. Its warps read warp_tot after its barrier,
+// and a slower warp may still be reading it when a faster one returns: a
+// barrier must pass before the next call writes it.
 RC_DEVICE int32_t block_exclusive_sum(int32_t v, int32_t* total, int32_t (&warp_tot)[kMaxWarps]) {
   const int ws = warp_size(), nw = kThreads / ws, warp = int(threadIdx.x) / ws, lane = lane_id();
   int32_t inclusive = v;
@@ -69,12 +70,13 @@ RC_DEVICE int32_t block_exclusive_sum(int32_t v, int32_t* total, int32_t (&warp_
 // Each expert's offset from its count: the counts of the experts before it,
 // each rounded up to the alignment A, summed. Thread e % kThreads calls
 // count(e) once for each expert e (passes of kThreads experts) and
-// store(e, count, offset); the thread of the last expert then calls
-// finish(end, needed) with the end of the last expert's rows (offsets[E])
-// and the rows the pairs need (the furthest end of an expert's rows: its
-// alignment padding need not fit). Every thread of the block calls it, E >= 1
-// (num_experts is a positive multiple of the world size). Offsets and
-// counts fit int32, the outputs' dtype.
+// store(e, count, offset); in the last pass the thread of the last expert
+// calls finish(end, needed) with the end of the last expert's rows
+// (offsets[E]) and the rows the pairs need (the furthest end of an
+// expert's rows: its alignment padding need not fit). A barrier must pass
+// before other threads read what store and finish wrote. Every thread of
+// the block calls it, E >= 1 (num_experts is a positive multiple of the
+// world size). Offsets and counts fit int32, the outputs' dtype.
 template <typename Count, typename Store, typename Finish>
 RC_DEVICE void scan_expert_offsets(int64_t E, int32_t A, Count count, Store store, Finish finish,
                                    int32_t (&warp_tot)[kMaxWarps]) {
