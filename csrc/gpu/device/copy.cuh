@@ -29,20 +29,29 @@ RC_DEVICE void with_vector(int vec, F&& f) {
   }
 }
 
+// The lines of kPrefetchLineBytes that hold [p, p + bytes): the first
+// one, and the bytes from its start to the range's end (0 for no bytes).
+struct LineSpan {
+  uintptr_t first;
+  int64_t span;
+};
+RC_DEVICE LineSpan lines_of(const void* p, int64_t bytes) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(p), line = at & ~uintptr_t(kPrefetchLineBytes - 1);
+  return {line, bytes > 0 ? bytes + int64_t(at - line) : 0};
+}
+
 // The lines of [p, p + bytes) into this multiprocessor's L1 (prefetch_l1),
 // a line per thread of the block: at most kThreads lines from p's line on.
 RC_DEVICE void prefetch_lines_l1(const void* p, int64_t bytes) {
-  const uintptr_t at = reinterpret_cast<uintptr_t>(p), line = at & ~uintptr_t(kPrefetchLineBytes - 1);
-  const int64_t span = bytes + int64_t(at - line), off = int64_t(threadIdx.x) * kPrefetchLineBytes;
-  if (bytes > 0 && off < span) prefetch_l1(reinterpret_cast<const char*>(line + uintptr_t(off)));
+  const LineSpan l = lines_of(p, bytes);
+  const int64_t off = int64_t(threadIdx.x) * kPrefetchLineBytes;
+  if (off < l.span) prefetch_l1(reinterpret_cast<const char*>(l.first + uintptr_t(off)));
 }
-// The same by one warp, a line per lane and pass.
+// All of them by one warp, a line per lane and pass.
 RC_DEVICE void warp_prefetch_lines_l1(const void* p, int64_t bytes) {
-  const uintptr_t at = reinterpret_cast<uintptr_t>(p), line = at & ~uintptr_t(kPrefetchLineBytes - 1);
-  const int64_t span = bytes + int64_t(at - line);
-  if (bytes <= 0) return;
-  for (int64_t off = int64_t(lane_id()) * kPrefetchLineBytes; off < span; off += warp_size() * kPrefetchLineBytes)
-    prefetch_l1(reinterpret_cast<const char*>(line + uintptr_t(off)));
+  const LineSpan l = lines_of(p, bytes);
+  for (int64_t off = int64_t(lane_id()) * kPrefetchLineBytes; off < l.span; off += warp_size() * kPrefetchLineBytes)
+    prefetch_l1(reinterpret_cast<const char*>(l.first + uintptr_t(off)));
 }
 
 // Rows [0, nrows) of nvec vectors each, copied by the whole block over the
