@@ -116,6 +116,30 @@ def test_bench_moe_layer_times_both_layouts_against_the_baselines(tmp_path, worl
     assert "speedup of rdna4_comm over hf_block" in r.stdout
 
 
+@pytest.mark.parametrize("transport", ["cpu", "dist"])
+def test_bench_call_mismatch_times_every_rank_of_every_case(tmp_path, transport):
+    out = tmp_path / "mismatch.jsonl"
+    r = run(str(ROOT / "benchmarks" / "bench_call_mismatch.py"), "--transport", transport, "--world", "3",
+            "--no-call-timeout-ms", "500", "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lines[0]["type"] == "header" and lines[0]["timeout_ms"] == 30_000
+    rows = {x["case"]: x for x in lines[1:]}
+    from rdna4_comm._bench.disagreeing_calls import CASES
+    assert sorted(rows) == sorted([*CASES, "no_call"])
+    for case in CASES:
+        odd = 0 if case in ("skipped", "op_kind") else 2
+        assert rows[case]["odd_rank"] == odd
+        for rank in rows[case]["ranks"]:
+            # Every rank raises, long before the 30 s timeout, naming its own call.
+            assert rank["raised"] == "ValueError" and "disagree on round" in rank["message"], (case, rank)
+            assert f"rank {rank['rank']} called" in rank["message"] and 0 < rank["after_ms"] < 1000, (case, rank)
+    waited = [x for x in rows["no_call"]["ranks"] if x["rank"] != 1]
+    assert all(x["raised"] == "RuntimeError" and x["after_ms"] >= 450 for x in waited), waited
+    assert [x["raised"] for x in rows["no_call"]["ranks"] if x["rank"] == 1] == [None]
+    assert "made no call" in r.stdout
+
+
 def test_bench_ep_fp8_runs_beside_bf16_against_both_gathers(tmp_path):
     out = tmp_path / "ep_fp8.jsonl"
     r = run(str(ROOT / "benchmarks" / "bench_ep.py"), "--quick", *FAST, "--tokens", "8", "--hidden", "256",

@@ -12,96 +12,24 @@ import time
 
 import pytest
 import torch
-from common import examples, rand, shm_segments
+from common import examples, shm_segments
 from conftest import ALL_WORLDS, world_ids
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rdna4_comm as rc
+from rdna4_comm._bench.disagreeing_calls import CASES, calls, communicator
 
-H, K, CAP = 64, 2, 8
 # Generous for a loaded 2-core machine; a differing call is found in about
-# a millisecond there (the tests print nothing of it; see the benchmark).
+# a millisecond there (benchmarks/bench_call_mismatch.py measures it).
 FOUND_WITHIN_S = 1.0
 LONG_TIMEOUT_MS = 60_000
 
 
-def _comm(ctx, **kwargs):
-    kwargs.setdefault("timeout_ms", LONG_TIMEOUT_MS)
-    if ctx.transport == "dist":
-        kwargs.setdefault("dist_check_calls", True)
-    return rc.Communicator(transport=ctx.transport, **kwargs)
+def _comm(ctx, timeout_ms=LONG_TIMEOUT_MS, **kwargs):
+    return communicator(ctx, timeout_ms, **kwargs)
 
 
-def _ep(ctx, **kwargs):
-    return _comm(ctx, max_tokens_per_rank=CAP, hidden=H, topk=K, num_experts=2 * ctx.world, **kwargs)
-
-
-def _inputs(ctx, seed, T=5):
-    g = torch.Generator().manual_seed(seed * 10 + ctx.rank)
-    x = rand(seed, ctx.rank, (T, H), torch.bfloat16).to(ctx.device)
-    idx = torch.randint(0, 2 * ctx.world, (T, K), generator=g).to(ctx.device)
-    return x, idx
-
-
-def _calls(case: str, ctx, odd: bool, seed: int):
-    """What this rank does in `case`; `odd` is the rank whose call differs.
-    Returns (communicator, callable that makes the rank's calls)."""
-    dev = ctx.device
-    if case == "numel":
-        c = _comm(ctx)
-        x = torch.ones(1023 if odd else 1024, device=dev)
-        return c, lambda: c.all_reduce(x)
-    if case == "dtype":
-        c = _comm(ctx)
-        x = torch.ones(512, device=dev, dtype=torch.bfloat16 if odd else torch.float32)
-        return c, lambda: c.all_reduce(x)
-    if case == "rmsnorm_hidden":
-        c = _comm(ctx)
-        h = 32 if odd else 64
-        x = torch.ones(256 // h, h, device=dev)
-        return c, lambda: c.all_reduce_rmsnorm(x, None, torch.ones(h, device=dev))
-    if case == "rmsnorm_residual":
-        c = _comm(ctx)
-        x = torch.ones(4, 64, device=dev)
-        return c, lambda: c.all_reduce_rmsnorm(x, x if odd else None, torch.ones(64, device=dev))
-    if case == "layout":
-        c = _ep(ctx)
-        x, idx = _inputs(ctx, seed)
-        return c, lambda: c.dispatch(x, idx, layout="expert" if odd else "rank")
-    if case == "fp8_pair":
-        c = _ep(ctx, dispatch_dtype=rc.fp8.FP8_DTYPE)
-        x, idx = _inputs(ctx, seed)
-        return c, lambda: c.dispatch(rc.quantize_fp8(x) if odd else x, idx)
-    if case == "handles":
-        c = _ep(ctx)
-        x, idx = _inputs(ctx, seed)
-
-        def run():
-            first, second = c.dispatch(x, idx), c.dispatch(x, idx)
-            d = second if odd else first
-            return c.combine(d.x, d.handle)
-        return c, run
-    if case == "skipped":
-        c = _ep(ctx)
-        x, idx = _inputs(ctx, seed)
-        t = torch.ones(64, device=dev)
-
-        def run():
-            if not odd:
-                c.all_reduce(t)
-            return c.dispatch(x, idx)
-        return c, run
-    if case == "op_kind":
-        c = _ep(ctx)
-        x, idx = _inputs(ctx, seed)
-        t = torch.ones(64, device=dev)
-        return c, (lambda: c.all_reduce(t)) if odd else (lambda: c.dispatch(x, idx))
-    raise ValueError(case)
-
-
-CASES = ("numel", "dtype", "rmsnorm_hidden", "rmsnorm_residual", "layout", "fp8_pair", "handles", "skipped",
-         "op_kind")
 SEMANTICS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "semantics.md")
 
 
@@ -117,7 +45,7 @@ def test_every_case_is_in_the_catalogue():
 
 
 def t_disagree(ctx, case: str, odd_rank: int, seed: int):
-    c, run = _calls(case, ctx, ctx.rank == odd_rank, seed)
+    c, run = calls(case, ctx, ctx.rank == odd_rank, seed, LONG_TIMEOUT_MS)
     start = time.monotonic()
     try:
         run()
