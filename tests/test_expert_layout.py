@@ -115,6 +115,42 @@ def test_matches_reference(world, data):
     check(world, *data.draw(cases(world.size)))
 
 
+def t_chunks_back_to_back(ctx, cfg, Ts):
+    comm, dev = ctx.comm(**cfg), ctx.device
+    outs = []
+    for i, T in enumerate(Ts):
+        x, idx, w = ep_inputs(30 + i, ctx.rank, ctx.world, T, ref_cfg(cfg), "random", True)
+        d = comm.dispatch(x.to(dev), idx.to(dev), w.to(dev), layout="expert")
+        outs.append((d, comm.combine(expert_fn(d.x, ctx.rank, i), d.handle)))
+    return outs
+
+
+def check_chunks_back_to_back(world):
+    # Rows received that fill several chunks (of 32 rows), three dispatches
+    # back to back with no host sync: on GPUs the placement's tables then
+    # come from its tally and offsets kernels, not from one block's shared memory.
+    W = world.size
+    cfg = ep_config(48, 16, 4, 2 * W, torch.bfloat16, 16)
+    Ts = (48, 33, 40)
+    results = world.run(t_chunks_back_to_back, cfg, Ts)
+    for i, T in enumerate(Ts):
+        ref, ref_out = expected(W, cfg, 30 + i, [T] * W, "random", True, salt=i)
+        for r, outs in enumerate(results):
+            d, out = outs[i]
+            assert_expert_dispatched(d, ref[r], f"call {i} rank {r}")
+            assert_bitwise(out, ref_out[r], f"call {i} rank {r} combine")
+
+
+def test_rows_of_several_chunks_back_to_back(world):
+    check_chunks_back_to_back(world)
+
+
+def test_rows_of_several_chunks_on_dist_alone(worlds):
+    # One rank of "dist" has a GPU wherever there is one: its placement runs
+    # without a heap (expert_layout_on_gpu), over its rank-layout output.
+    check_chunks_back_to_back(worlds("dist", 1))
+
+
 def t_mixed(ctx, cfg):
     """Both layouts back to back on one communicator, no host sync, the
     handles combined in reverse order."""
