@@ -26,10 +26,6 @@ FOUND_WITHIN_S = 1.0
 LONG_TIMEOUT_MS = 60_000
 
 
-def _comm(ctx, timeout_ms=LONG_TIMEOUT_MS, **kwargs):
-    return communicator(ctx, timeout_ms, **kwargs)
-
-
 SEMANTICS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "semantics.md")
 
 
@@ -63,7 +59,7 @@ def t_disagree(ctx, case: str, odd_rank: int, seed: int):
             later.append((type(e).__name__, str(e)))
     c.close()
     # The way back: a new communicator on the same group.
-    with _comm(ctx) as fresh:
+    with communicator(ctx, LONG_TIMEOUT_MS) as fresh:
         again = fresh.all_reduce(torch.full((16,), float(ctx.rank + 1), device=ctx.device))
     return raised, message, elapsed, later, again.cpu(), shm_segments(os.getpid())
 
@@ -95,7 +91,7 @@ def test_disagreeing_calls_raise_on_every_rank_at_once(worlds, transport, size, 
 
 
 def t_no_call(ctx, timeout_ms: int):
-    c = _comm(ctx, timeout_ms=timeout_ms)
+    c = communicator(ctx, timeout_ms)
     start = time.monotonic()
     message = None
     if ctx.rank != 1:  # rank 1 is alive but makes no call
