@@ -48,6 +48,7 @@ struct Layout {
   size_t probe_flags = 0;      // [W] u64
   size_t call_slots = 0;       // [2][W] u64: each source's call word of a round (calls.h)
   size_t mismatches = 0;       // [W][2] u64, own use: this rank's and a peer's differing call words
+  size_t expert_tally = 0;     // u32, own use: the expert tally's finished blocks (ExpertLayoutArgs::tally_done)
   size_t signal_bytes = 0;
 
   size_t ar_inbox = 0;       // [2][W][ar_slot_bytes]: input (one-shot) or scatter share (two-shot)
@@ -89,6 +90,7 @@ struct Layout {
   RC_HD uint64_t* mismatch(char* sig, int peer) const {
     return reinterpret_cast<uint64_t*>(sig + mismatches) + size_t(peer) * 2;
   }
+  RC_HD uint32_t* expert_tally_done(char* sig) const { return reinterpret_cast<uint32_t*>(sig + expert_tally); }
   RC_HD char* ar_slot(char* data, uint64_t gen, int src) const {
     return data + ar_inbox + (size_t(gen & 1) * world + src) * size_t(ar_slot_bytes);
   }
@@ -147,6 +149,7 @@ inline Layout make_layout(const HeapConfig& c) {
   l.probe_flags = take(sizeof(uint64_t) * W);
   l.call_slots = take(sizeof(uint64_t) * 2 * W);
   l.mismatches = take(sizeof(uint64_t) * 2 * W);
+  l.expert_tally = take(sizeof(uint64_t));
   l.signal_bytes = off;
 
   off = 0;

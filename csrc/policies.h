@@ -224,8 +224,9 @@ RC_HD EpGrid combine_grid(int64_t ntok, int world, int sm_count) {
 // Rows received that fit one chunk (a decode step) take one kernel: each
 // placement block with work tallies the chunk and computes the offsets itself, in
 // shared memory of kExpertOneChunkExperts words per table, and the tally
-// and offsets kernels return at once; the host launches them only where
-// W * cap rows can fill more than one chunk (expert_tally_launched).
+// kernel (which computes the offsets in its last block) returns at once;
+// the host launches it only where W * cap rows can fill more than one
+// chunk (expert_tally_launched).
 constexpr int64_t kExpertChunkRows = 32;
 constexpr int64_t kExpertOneChunkExperts = 1024;
 RC_HD bool expert_one_chunk_capable(int64_t experts) { return experts <= kExpertOneChunkExperts; }

@@ -127,8 +127,8 @@ def t_chunks_back_to_back(ctx, cfg, Ts):
 
 def check_chunks_back_to_back(world):
     # Rows received that fill several chunks (of 32 rows), three dispatches
-    # back to back with no host sync: on GPUs the placement's tables then
-    # come from its tally and offsets kernels, not from one block's shared memory.
+    # back to back with no host sync: on GPUs the tally's last block computes
+    # the offsets, and each tally must find its count of finished blocks reset.
     W = world.size
     cfg = ep_config(48, 16, 4, 2 * W, torch.bfloat16, 16)
     Ts = (48, 33, 40)
@@ -147,7 +147,8 @@ def test_rows_of_several_chunks_back_to_back(world):
 
 def test_rows_of_several_chunks_on_dist_alone(worlds):
     # One rank of "dist" has a GPU wherever there is one: its placement runs
-    # without a heap (expert_layout_on_gpu), over its rank-layout output.
+    # without a heap (expert_layout_on_gpu), its count word the scratch's,
+    # zeroed for each call.
     check_chunks_back_to_back(worlds("dist", 1))
 
 

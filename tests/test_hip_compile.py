@@ -35,7 +35,7 @@ KERNELS_OF = {
     "all_reduce_rmsnorm.cu": ["all_reduce_rmsnorm_kernel"],
     "dispatch.cu": ["dispatch_kernel"],
     "combine.cu": ["combine_kernel"],
-    "expert_layout.cu": ["expert_tally_kernel", "expert_offsets_kernel", "expert_place_kernel"],
+    "expert_layout.cu": ["expert_tally_kernel", "expert_place_kernel"],
     "expert_sum.cu": ["expert_sum_kernel"],
     "probe.cu": ["probe_kernel"],
     "testing.cu": ["occupy_kernel", "store_out_of_bounds_kernel", "fp8_conversion_check_kernel"],

@@ -11,21 +11,23 @@
 // received (the sum of counts, read on the device), not the capacity: a
 // decode step on a prefill-sized communicator pays for its own rows.
 //
-// The rows are placed in three kernels, over chunks of kExpertChunkRows
+// The rows are placed in two kernels, over chunks of kExpertChunkRows
 // received rows (policies.h):
 //  1. tally: a warp per chunk sets, for each local expert e, the bitmask of
-//     the chunk's rows that have e (chunk_masks);
-//  2. offsets, one block: per expert, the rows of the earlier chunks that
-//     have it (chunk_prefix), its count, the aligned offsets, the rows needed;
-//  3. place: a share of the received rows' slices per block
+//     the chunk's rows that have e (chunk_masks); then the offsets, by the
+//     tally's last block to finish: per expert, the rows of the earlier
+//     chunks that have it (chunk_prefix), its count, the aligned offsets,
+//     the rows needed;
+//  2. place: a share of the received rows' slices per block
 //     (for_received_rows). A warp per slice gives its row's pairs their
 //     rows (the row's first slice also writes expert_rows_of and the
 //     weights), then the block copies its slices, each vector loaded once
 //     and stored to each of the row's pair rows; then the alignment padding.
-// Rows received that fit one chunk (expert_places_one_chunk) skip 1 and 2:
-// each placement block runs them itself on its own shared copy of the
-// tables (block 0 writes the outputs), so a decode step pays one kernel,
-// and its warps find the rows' pairs as they tally them, not after the scan.
+// Rows received that fit one chunk (expert_places_one_chunk) skip 1 (where
+// W * cap rows could fill more, the tally is launched and returns at once):
+// each placement block runs it itself on its own shared copy of the
+// tables (block 0 writes the outputs), and its warps find the rows' pairs
+// as they tally them, not after the scan.
 #include <type_traits>
 
 #include "../bounds.h"
@@ -43,44 +45,15 @@ namespace {
 // Experts per pass over a warp's shared bitmasks in the tally.
 constexpr int kExpertTile = 256;
 
-template <typename IdxT>
-__global__ void __launch_bounds__(kThreads) expert_tally_kernel(ExpertLayoutArgs a) {
-  __shared__ uint32_t tile[kMaxWarps][kExpertTile];
-  const int ws = warp_size(), nw = kThreads / ws, warp = int(threadIdx.x) / ws, lane = lane_id(), K = int(a.topk);
+// Per expert, the rows of the earlier chunks that have it (chunk_prefix),
+// its count, the aligned offsets and the rows needed, from every chunk's
+// masks, by one block: a thread per expert goes over the chunks.
+RC_DEVICE void expert_offsets(const ExpertLayoutArgs& a, int32_t chunks, int32_t (&warp_tot)[kMaxWarps]) {
   const int64_t E = a.experts;
-  const int32_t received = rows_received(a.counts, a.world, a.rows), chunks = int32_t(expert_chunks(received));
-  if (expert_places_one_chunk(received, E)) return;  // the placement tallies the chunk itself
-  const IdxT* ids = static_cast<const IdxT*>(a.ids);
-  // Block-uniform loops: every warp reaches every barrier.
-  for (int32_t c0 = int32_t(blockIdx.x) * nw; c0 < chunks; c0 += int32_t(gridDim.x) * nw) {
-    const int32_t c = c0 + warp, j = c * kChunkRows + lane;
-    const IdxT* row = ids + int64_t(j) * K;
-    const uint64_t slots = c < chunks && lane < kChunkRows && j < received ? pair_slots(row, K, E) : 0;
-    for (int64_t e0 = 0; e0 < E; e0 += kExpertTile) {
-      for (int i = lane; i < kExpertTile; i += ws) tile[warp][i] = 0;
-      block_sync();
-      for (uint64_t m = slots; m != 0; m &= m - 1) {
-        const int64_t e = int64_t(row[lowest_bit(m)]) - e0;
-        if (e >= 0 && e < kExpertTile) atomicOr(&tile[warp][e], 1u << lane);
-      }
-      block_sync();
-      if (c < chunks)
-        for (int64_t i = lane; i < kExpertTile && e0 + i < E; i += ws) a.chunk_masks[int64_t(c) * E + e0 + i] = tile[warp][i];
-      block_sync();  // the tile is read before the next pass clears it
-    }
-  }
-}
-
-// One block: a thread per expert goes over every chunk's mask.
-__global__ void __launch_bounds__(kThreads) expert_offsets_kernel(ExpertLayoutArgs a) {
-  __shared__ int32_t warp_tot[kMaxWarps];
-  const int32_t received = rows_received(a.counts, a.world, a.rows), chunks = int32_t(expert_chunks(received));
-  const int64_t E = a.experts;
-  if (expert_places_one_chunk(received, E)) return;  // the placement computes the offsets itself
   auto count = [&](int64_t e) {
     // The masks' loads do not wait for the prefixes' stores, and U of
-    // them are in flight (on an H200, the 128 chunks of 4096 rows take this
-    // kernel 11.2 us, 12.7 us at 4).
+    // them are in flight (on an H200, the 128 chunks of 4096 rows took
+    // 11.2 us in a kernel of their own, 12.7 us at 4).
     constexpr int U = 16;
     int32_t n = 0;
     for (int32_t c0 = 0; c0 < chunks; c0 += U) {
@@ -106,6 +79,55 @@ __global__ void __launch_bounds__(kThreads) expert_offsets_kernel(ExpertLayoutAr
         a.out_needed[0] = needed;
       },
       warp_tot);
+}
+
+// A warp per chunk sets, for each local expert e, the bitmask of the
+// chunk's rows that have e (chunk_masks); then the last block to finish
+// computes the offsets (expert_offsets): no launch of their own.
+template <typename IdxT>
+__global__ void __launch_bounds__(kThreads) expert_tally_kernel(ExpertLayoutArgs a) {
+  __shared__ uint32_t tile[kMaxWarps][kExpertTile];
+  __shared__ int32_t warp_tot[kMaxWarps];
+  __shared__ bool last;
+  const int ws = warp_size(), nw = kThreads / ws, warp = int(threadIdx.x) / ws, lane = lane_id(), K = int(a.topk);
+  const int64_t E = a.experts;
+  const int32_t received = rows_received(a.counts, a.world, a.rows), chunks = int32_t(expert_chunks(received));
+  if (expert_places_one_chunk(received, E)) return;  // every block: the placement tallies the chunk itself
+  const IdxT* ids = static_cast<const IdxT*>(a.ids);
+  // Block-uniform loops: every warp reaches every barrier.
+  for (int32_t c0 = int32_t(blockIdx.x) * nw; c0 < chunks; c0 += int32_t(gridDim.x) * nw) {
+    const int32_t c = c0 + warp, j = c * kChunkRows + lane;
+    const IdxT* row = ids + int64_t(j) * K;
+    const uint64_t slots = c < chunks && lane < kChunkRows && j < received ? pair_slots(row, K, E) : 0;
+    for (int64_t e0 = 0; e0 < E; e0 += kExpertTile) {
+      for (int i = lane; i < kExpertTile; i += ws) tile[warp][i] = 0;
+      block_sync();
+      for (uint64_t m = slots; m != 0; m &= m - 1) {
+        const int64_t e = int64_t(row[lowest_bit(m)]) - e0;
+        if (e >= 0 && e < kExpertTile) atomicOr(&tile[warp][e], 1u << lane);
+      }
+      block_sync();
+      if (c < chunks)
+        for (int64_t i = lane; i < kExpertTile && e0 + i < E; i += ws) a.chunk_masks[int64_t(c) * E + e0 + i] = tile[warp][i];
+      block_sync();  // the tile is read before the next pass clears it
+    }
+  }
+  // The last block: each thread's mask stores come before its fence, and
+  // the fences before the barrier and the block's count (a device-scope
+  // atomic on this GPU's own memory, never a peer's); the block that
+  // counts last has seen every other count, and its loads of the masks
+  // follow its own fence. No block waits for another, so the grid needs
+  // no co-residency.
+  __threadfence();
+  block_sync();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(a.tally_done, 1u) == gridDim.x - 1;
+    if (last) *a.tally_done = 0;  // the next tally starts after this kernel has ended
+  }
+  block_sync();
+  if (!last) return;
+  __threadfence();
+  expert_offsets(a, chunks, warp_tot);
 }
 
 // The first chunk's ids, weights and recv_src values (what the one-chunk
@@ -434,10 +456,7 @@ void launch_expert_layout(const ExpertLayoutArgs& a, Stream s) {
   };
   auto go = [&](auto idx) {
     using IdxT = typename decltype(idx)::type;
-    if (expert_tally_launched(a.rows, a.experts)) {
-      run(expert_tally_kernel<IdxT>, expert_chunk_blocks(a.rows, a.sm_count));
-      run(expert_offsets_kernel, 1);
-    }
+    if (expert_tally_launched(a.rows, a.experts)) run(expert_tally_kernel<IdxT>, expert_chunk_blocks(a.rows, a.sm_count));
     if (v16) place(expert_place_kernel<IdxT, uint4>);
     else place(expert_place_kernel<IdxT, uint8_t>);
   };

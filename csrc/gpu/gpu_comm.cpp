@@ -55,21 +55,29 @@ DType dtype_of(at::ScalarType t) {
 // and this rank's at dispatch's input where they stayed there),
 // and its scratch: per (chunk, expert) a bitmask and a prefix
 // (expert_layout.cu), to be held until the kernels are launched.
+// tally_done: a word that is zero between placements, or nullptr for one
+// of the scratch, zeroed for this call.
 struct ExpertPlacement {
   ExpertLayoutArgs args;
   at::Tensor scratch;
 };
 ExpertPlacement expert_placement(const Dispatched& d, int64_t experts, int64_t alignment, ExpertDispatched& out,
-                                 const at::Tensor& needed, int sm_count) {
+                                 const at::Tensor& needed, int sm_count, uint32_t* tally_done) {
   const int64_t R = d.topk_idx.size(0), K = d.topk_idx.size(1);
   ExpertLayoutArgs a{};
-  // Only the tally and offsets kernels use the scratch, and only where they
-  // are launched: rows that fit one chunk are tallied in shared memory.
+  // Only the tally uses the scratch, and only where it is launched: rows
+  // that fit one chunk are tallied in shared memory.
   at::Tensor scratch;
   if (expert_tally_launched(R, experts)) {
-    scratch = at::empty({2, expert_chunks(R), experts}, d.counts.options());
+    const int64_t tables = expert_chunks(R) * experts;
+    scratch = at::empty({2 * tables + 1}, d.counts.options());
     a.chunk_masks = reinterpret_cast<uint32_t*>(scratch.data_ptr<int32_t>());
-    a.chunk_prefix = scratch.data_ptr<int32_t>() + expert_chunks(R) * experts;
+    a.chunk_prefix = scratch.data_ptr<int32_t>() + tables;
+    if (!tally_done) {
+      scratch.narrow(0, 2 * tables, 1).zero_();
+      tally_done = reinterpret_cast<uint32_t*>(scratch.data_ptr<int32_t>() + 2 * tables);
+    }
+    a.tally_done = tally_done;
   }
   a.ids = d.topk_idx.data_ptr();
   a.ids_int64 = d.topk_idx.scalar_type() == at::kLong;
@@ -349,8 +357,9 @@ class GpuComm final : public Comm {
   bool places_from_heap() const override { return true; }
   void place_expert_rows(const Dispatched& d, ExpertDispatched& out, const at::Tensor& needed) override {
     TORCH_INTERNAL_ASSERT(d.peer_rows_in_heap, "place_expert_rows: the dispatch copied the peers' rows out of the heap");
+    // The heap's word: this communicator's placements run one after another.
     ExpertPlacement p = expert_placement(d, cfg_.experts_per_rank(), cfg_.expert_alignment, out, needed,
-                                         env_.sm_count);
+                                         env_.sm_count, layout_.expert_tally_done(env_.sig[cfg_.rank]));
     p.args.heap_gen = layout_.counter(env_.sig[cfg_.rank], kOpDispatch, 0);
     p.args.heap = layout_;
     p.args.heap_data = env_.data[cfg_.rank];
@@ -472,7 +481,7 @@ void expert_layout_on_gpu(const Dispatched& d, int64_t experts, int64_t alignmen
                           const at::Tensor& needed) {
   const int dev = d.x.get_device();
   c10::cuda::CUDAGuard guard(dev);
-  const ExpertPlacement p = expert_placement(d, experts, alignment, out, needed, sm_count_of(dev));
+  const ExpertPlacement p = expert_placement(d, experts, alignment, out, needed, sm_count_of(dev), nullptr);
   launch_expert_layout(p.args, c10::cuda::getCurrentCUDAStream(dev).stream());
   RC_GPU_CHECK(get_last_error());
 }

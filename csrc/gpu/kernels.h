@@ -130,6 +130,11 @@ struct ExpertLayoutArgs {
   int sm_count;
   uint32_t* chunk_masks;     // scratch [expert_chunks(R), E]; nullptr where !expert_tally_launched
   int32_t* chunk_prefix;     // scratch [expert_chunks(R), E]; nullptr where !expert_tally_launched
+  // Where the tally is launched: zero before it, its blocks count
+  // themselves into it, the last resets it (expert_tally_kernel). The GPU
+  // transport's word in its heap (stream-ordered launches), else a word of
+  // the scratch zeroed for the call.
+  uint32_t* tally_done;
   char* out_x;               // [expert_rows, row_bytes]
   float* out_scales;         // FP8: [expert_rows, S]; else nullptr
   void* out_weights;         // [expert_rows] of weights_dtype, or nullptr

@@ -1,8 +1,8 @@
 // The expert layout's tables (expert_layout.cu): which local experts a
 // received row's slots start pairs of, each chunk's bitmask of the rows
 // that have an expert, and each expert's count and aligned offset. The
-// tally and offsets kernels build them in global memory; a decode step's
-// placement builds one chunk's in shared memory.
+// tally kernel builds them in global memory; a decode step's placement
+// builds one chunk's in shared memory.
 #pragma once
 
 #include "../../bounds.h"
@@ -97,7 +97,7 @@ RC_DEVICE void scan_expert_offsets(int64_t E, int32_t A, Count count, Store stor
 
 // Where the placement reads each expert's offset and count and each
 // (chunk, expert)'s bitmask and prefix: the outputs and scratch of the
-// tally and offsets kernels, or a block's own tables of one chunk (counts
+// tally kernel, or a block's own tables of one chunk (counts
 // and prefixes none: a count is its one mask's bits, and no chunk comes
 // before the first).
 struct ExpertTables {
