@@ -260,14 +260,48 @@ RC_DEVICE void place_pairs(const ExpertLayoutArgs& a, const ExpertTables& t, int
     for (int k = lane; k < K; k += ws) a.out_rows_of[w0 + k] = pair_row[k];
 }
 
+// The placement's shared memory, sized by K and E at the launch: a decode
+// step's K = 8 over 256 experts takes 6.4 KB where kMaxTopk and
+// kExpertOneChunkExperts would take 34 KB, which a 64 KB LDS (gfx942,
+// RDNA) holds once a unit. The host (the launch's size) and the kernel
+// carve it with the same function; 8-byte items first keep all aligned.
+struct PlaceShared {
+  int64_t kept, src, one_src, pair_row, one_expert, one_weight, one_pairs, masks, offsets, bytes;
+};
+RC_HD PlaceShared place_shared(int64_t K, int64_t E) {
+  // The one-chunk tables and rows exist where a chunk can be placed alone.
+  const int64_t one = expert_one_chunk_capable(E) ? 1 : 0;
+  PlaceShared p{};
+  int64_t at = 0;
+  auto take = [&](int64_t bytes) {
+    const int64_t here = at;
+    at += bytes;
+    return here;
+  };
+  p.kept = take(kBatchRows * int64_t(sizeof(uint64_t)));
+  p.src = take(kBatchRows * int64_t(sizeof(RowSource)));
+  p.one_src = take(one * kChunkRows * int64_t(sizeof(RowSource)));
+  p.pair_row = take(kBatchRows * K * int64_t(sizeof(int32_t)));
+  p.one_expert = take(one * kChunkRows * K * int64_t(sizeof(int32_t)));
+  p.one_weight = take(one * kChunkRows * K * int64_t(sizeof(float)));
+  p.one_pairs = take(one * kChunkRows * int64_t(sizeof(int32_t)));
+  p.masks = take(one * E * int64_t(sizeof(uint32_t)));
+  p.offsets = take(one * (E + 1) * int64_t(sizeof(int32_t)));
+  p.bytes = at;
+  return p;
+}
+static_assert(sizeof(RowSource) % 8 == 0 && alignof(RowSource) <= 8, "the 8-byte items keep the rest aligned");
+
 // One chunk's rows (received <= kChunkRows), each found by a warp before
 // any table exists (row_pairs) and kept in shared memory: the pairs'
-// experts and weights by place, their count, and where the row's payload is.
+// experts and weights by place (K a row), their count, and where the row's
+// payload is.
 struct OneChunkRows {
-  int32_t expert[kChunkRows][kMaxTopk];
-  float weight[kChunkRows][kMaxTopk];
-  int32_t pairs[kChunkRows];
-  RowSource src[kChunkRows];
+  int32_t* expert;  // [kChunkRows, K]
+  float* weight;    // [kChunkRows, K]
+  int32_t* pairs;   // [kChunkRows]
+  RowSource* src;   // [kChunkRows]
+  int K;
   // Row j's pairs as row_pairs gave them, a pair per slot by place.
   RC_DEVICE RowPairs of(int32_t j) const {
     const int ws = warp_size();
@@ -276,8 +310,8 @@ struct OneChunkRows {
     for (int g = 0; g < kSlotGroups; ++g) {
       const int k = g * ws + lane_id();
       p.starts[g] = k < pairs[j];
-      p.expert[g] = p.starts[g] ? expert[j][k] : -1;
-      p.weight[g] = p.starts[g] ? weight[j][k] : 0.f;
+      p.expert[g] = p.starts[g] ? expert[j * K + k] : -1;
+      p.weight[g] = p.starts[g] ? weight[j * K + k] : 0.f;
       p.place[g] = k;
     }
     return p;
@@ -288,8 +322,8 @@ struct OneChunkRows {
 #pragma unroll
     for (int g = 0; g < kSlotGroups; ++g) {
       if (p.starts[g]) {
-        expert[j][p.place[g]] = p.expert[g];
-        weight[j][p.place[g]] = p.weight[g];
+        expert[j * K + p.place[g]] = p.expert[g];
+        weight[j * K + p.place[g]] = p.weight[g];
         atomicOr(&masks[p.expert[g]], 1u << j);
       }
       n += __popcll(warp_ballot(p.starts[g]));
@@ -357,19 +391,24 @@ RC_DEVICE void place_padding(const ExpertLayoutArgs& a, const ExpertTables& t, i
 // offsets' scan a slice only looks its pairs' rows up.
 template <typename IdxT, typename V>
 __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs a) {
-  // Slice r of the batch: its row's pairs' rows, and which of them are kept.
-  __shared__ int32_t pair_row[kBatchRows][kMaxTopk];
-  __shared__ uint64_t kept[kBatchRows];
-  // And where its payload and scales are.
-  __shared__ RowSource src[kBatchRows];
-  // The tables of one chunk (ExpertTables) and its rows.
-  __shared__ uint32_t one_masks[kExpertOneChunkExperts];
-  __shared__ int32_t one_offsets[kExpertOneChunkExperts + 1];
-  __shared__ OneChunkRows one_rows;
+  // Slice r of the batch: its row's pairs' rows (pair_row + r * K), which
+  // of them are kept, and where its payload and scales are; the tables of
+  // one chunk (ExpertTables) and its rows (place_shared).
+  extern __shared__ uint64_t place_smem[];
+  char* const smem = reinterpret_cast<char*>(place_smem);
+  const PlaceShared ps = place_shared(a.topk, a.experts);
+  uint64_t* const kept = reinterpret_cast<uint64_t*>(smem + ps.kept);
+  RowSource* const src = reinterpret_cast<RowSource*>(smem + ps.src);
+  int32_t* const pair_row = reinterpret_cast<int32_t*>(smem + ps.pair_row);
+  uint32_t* const one_masks = reinterpret_cast<uint32_t*>(smem + ps.masks);
+  int32_t* const one_offsets = reinterpret_cast<int32_t*>(smem + ps.offsets);
+  OneChunkRows one_rows{reinterpret_cast<int32_t*>(smem + ps.one_expert), reinterpret_cast<float*>(smem + ps.one_weight),
+                        reinterpret_cast<int32_t*>(smem + ps.one_pairs), reinterpret_cast<RowSource*>(smem + ps.one_src),
+                        int(a.topk)};
   __shared__ int32_t warp_tot[kMaxWarps];
   const int64_t E = a.experts, S = a.scales_per_row, rb = a.row_bytes;
   const int64_t nvec = rb / int64_t(sizeof(V));
-  const int nw = kThreads / warp_size(), warp = int(threadIdx.x) / warp_size();
+  const int nw = kThreads / warp_size(), warp = int(threadIdx.x) / warp_size(), K = int(a.topk);
   // The dispatch before this kernel on the stream stored its generation in
   // the counter at its end; the next dispatch starts after this kernel
   // (the GPU transport launches both in its stream order), and no peer
@@ -426,17 +465,17 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
   auto prepare = [&](int r, int32_t j, bool writes) {
     if (one_chunk) {
       if (lane_id() == 0) src[r] = one_rows.src[j];
-      place_pairs(a, tables, j, one_rows.of(j), writes, pair_row[r], &kept[r]);
+      place_pairs(a, tables, j, one_rows.of(j), writes, pair_row + r * K, &kept[r]);
     } else {
       if (lane_id() == 0) src[r] = received_row_source(a, heap_gen, j);
-      place_pairs(a, tables, j, row_pairs<IdxT>(a, j), writes, pair_row[r], &kept[r]);
+      place_pairs(a, tables, j, row_pairs<IdxT>(a, j), writes, pair_row + r * K, &kept[r]);
     }
   };
   for_received_rows(share, prepare, [&](int r, int32_t j, const RowSpan& s) {
-    auto row_at = [&](int p) { return a.out_x + int64_t(pair_row[r][p]) * rb; };
+    auto row_at = [&](int p) { return a.out_x + int64_t(pair_row[r * K + p]) * rb; };
     copy_row<V, true>(src[r].row, row_at, kept[r], s);
     if (src[r].scales && s.lead)
-      copy_scales<true>(src[r].scales, S, [&](int p) { return a.out_scales + int64_t(pair_row[r][p]) * S; }, kept[r],
+      copy_scales<true>(src[r].scales, S, [&](int p) { return a.out_scales + int64_t(pair_row[r * K + p]) * S; }, kept[r],
                         s);
   });
   place_unreceived(a, received);
@@ -446,17 +485,20 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
 }  // namespace
 
 void launch_expert_layout(const ExpertLayoutArgs& a, Stream s) {
-  auto run = [&](auto kernel, int blocks) { RC_LAUNCH(kernel, blocks, kThreads, 0, s, a); };
   // Rows in 16-byte vectors where rows and pointers allow it, else bytes.
   const bool v16 = widest_vector(a.row_bytes, {a.x, a.own_x, a.out_x}) == 16;
-  // The placement's grid: one wave at most (expert_place_blocks).
+  // The placement's grid: one wave at most (expert_place_blocks), with its
+  // shared memory sized for this K and E (place_shared).
   auto place = [&](auto kernel) {
-    run(kernel, expert_place_blocks(a.rows, a.experts, a.alignment, a.sm_count,
-                                    resident_blocks_per_sm(kernel, kThreads)));
+    const int smem = int(place_shared(a.topk, a.experts).bytes);
+    const int blocks = expert_place_blocks(a.rows, a.experts, a.alignment, a.sm_count,
+                                           resident_blocks_per_sm(kernel, kThreads, smem));
+    RC_LAUNCH(kernel, blocks, kThreads, smem, s, a);
   };
   auto go = [&](auto idx) {
     using IdxT = typename decltype(idx)::type;
-    if (expert_tally_launched(a.rows, a.experts)) run(expert_tally_kernel<IdxT>, expert_chunk_blocks(a.rows, a.sm_count));
+    if (expert_tally_launched(a.rows, a.experts))
+      RC_LAUNCH(expert_tally_kernel<IdxT>, expert_chunk_blocks(a.rows, a.sm_count), kThreads, 0, s, a);
     if (v16) place(expert_place_kernel<IdxT, uint4>);
     else place(expert_place_kernel<IdxT, uint8_t>);
   };

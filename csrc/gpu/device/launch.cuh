@@ -8,7 +8,7 @@
 
 #include <initializer_list>
 #include <map>
-#include <utility>
+#include <tuple>
 
 namespace rdna4_comm {
 namespace gpu {
@@ -41,18 +41,19 @@ __host__ __device__ __forceinline__ void with_dtype(DType d, F&& f) {
 }
 
 // Blocks of `threads` threads of `kernel` that one multiprocessor holds at
-// once, given the kernel's registers and shared memory: asked of the
-// runtime once per kernel, block size and host thread (a cache of each
-// thread's own: every launch asks, and needs no lock). Kernels of one
-// signature share a type, so the answers are kept by the kernel's address.
+// once, given the kernel's registers and its static shared memory plus the
+// launch's dynamic `smem` bytes: asked of the runtime once per kernel,
+// block size, dynamic size and host thread (a cache of each thread's own:
+// every launch asks, and needs no lock). Kernels of one signature share a
+// type, so the answers are kept by the kernel's address.
 template <typename Kernel>
-int resident_blocks_per_sm(Kernel kernel, int threads) {
-  thread_local std::map<std::pair<const void*, int>, int> known;
-  const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), threads};
+int resident_blocks_per_sm(Kernel kernel, int threads, int smem = 0) {
+  thread_local std::map<std::tuple<const void*, int, int>, int> known;
+  const std::tuple<const void*, int, int> key{reinterpret_cast<const void*>(kernel), threads, smem};
   auto it = known.find(key);
   if (it != known.end()) return it->second;
   int n = 0;
-  if (RC_RT(OccupancyMaxActiveBlocksPerMultiprocessor)(&n, kernel, threads, 0) != RC_RT(Success)) n = 0;
+  if (RC_RT(OccupancyMaxActiveBlocksPerMultiprocessor)(&n, kernel, threads, size_t(smem)) != RC_RT(Success)) n = 0;
   known.emplace(key, n);
   return n;
 }
