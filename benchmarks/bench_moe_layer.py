@@ -11,8 +11,9 @@ communication; at W = 1 the layer the conversion replaces).
 Layer: transformers' MixtralSparseMoeBlock with hidden H, intermediate H,
 8 experts per rank (E = 8 W), top-2, bf16, grouped_mm experts; every rank
 builds it from the same seed and keeps its E / W experts; T tokens per rank.
-Sweep: hidden {1024, 4096} x tokens per rank {8, 128, 1024}; --quick:
-hidden 256 x tokens {8, 64}. Each backend's output is checked against the HF
+Sweep: hidden {1024, 4096} x tokens per rank {8, 128, 1024}; --tokens and
+--hidden replace the sweep's values (any sizes: DeepSeek's H = 7168, a
+prefill's T = 4096); --quick: hidden 256 x tokens {8, 64}, which they filter. Each backend's output is checked against the HF
 block's own forward on this rank's tokens (bf16: to 3e-2). Records are named
 "MoE layer (rank layout)" and "MoE layer (expert layout)", each with its
 baseline; the expert layout's cost over the rank layout is the ratio of
@@ -34,7 +35,6 @@ from rdna4_comm._timing import Op, measure
 
 HIDDEN = (1024, 4096)
 TOKENS = (8, 128, 1024)
-FULL = [(t, h) for h in HIDDEN for t in TOKENS]
 QUICK = [(t, 256) for t in (8, 64)]
 DTYPE = torch.bfloat16
 EXPERTS_PER_RANK, TOPK, SEED = 8, 2, 0
@@ -110,7 +110,12 @@ def worker(ctx, configs, rounds, samples) -> None:
 
 
 def main(argv=None) -> int:
-    return _common.main("bench_moe_layer", __doc__, FULL, QUICK, worker, argv)
+    args = _common.parse_args(__doc__, argv)
+    if args.quick:
+        configs = _common.select(QUICK, args)
+    else:
+        configs = [(t, h) for h in (args.hidden or HIDDEN) for t in (args.tokens or TOKENS)]
+    return _common.run("bench_moe_layer", args, configs, worker)
 
 
 if __name__ == "__main__":

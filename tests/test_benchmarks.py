@@ -116,6 +116,18 @@ def test_bench_moe_layer_times_both_layouts_against_the_baselines(tmp_path, worl
     assert "speedup of rdna4_comm over hf_block" in r.stdout
 
 
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+def test_bench_moe_layer_takes_sizes_outside_its_sweep(tmp_path):
+    # --tokens/--hidden replace the sweep's values (the documented H = 7168,
+    # T = 4096 command on a GPU); on CPUs a small pair off the sweep.
+    out = tmp_path / "results.jsonl"
+    r = run(str(ROOT / "benchmarks" / "bench_moe_layer.py"), *FAST, "--world", "1", "--tokens", "5", "--hidden", "96",
+            "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [x for x in map(json.loads, out.read_text().splitlines()) if x["type"] == "result"]
+    assert rows and all(x["tokens"] == 5 and x["hidden"] == 96 for x in rows)
+
+
 @pytest.mark.parametrize("transport", ["cpu", "dist"])
 def test_bench_call_mismatch_times_every_rank_of_every_case(tmp_path, transport):
     out = tmp_path / "mismatch.jsonl"
