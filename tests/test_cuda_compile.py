@@ -16,8 +16,8 @@ import os
 import re
 import shutil
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -30,7 +30,6 @@ if NVCC is None:
     pytest.skip("nvcc not installed", allow_module_level=True)
 
 
-
 def ptxas_report(source: Path, arch: str, out_dir: Path) -> str:
     out = out_dir / f"{source.stem}_{arch}.cubin"
     cmd = [NVCC, "-std=c++17", "-O3", f"-arch={arch}", "-cubin", "-Xptxas", "-v", str(source), "-o", str(out)]
@@ -40,9 +39,19 @@ def ptxas_report(source: Path, arch: str, out_dir: Path) -> str:
     return res.stderr
 
 
+@pytest.fixture(scope="module")
+def sm90_reports(tmp_path_factory):
+    """ptxas's report of every source for sm_90, by file name, as a future:
+    the compiles run side by side, one a core, and a failed one raises
+    where a test reads its result."""
+    out = tmp_path_factory.mktemp("sm90")
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        yield {p.name: pool.submit(ptxas_report, p, "sm_90", out) for p in SOURCES}
+
+
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
-def test_kernels_compile_and_fit_their_registers(source, tmp_path):
-    report = ptxas_report(source, "sm_90", tmp_path)
+def test_kernels_compile_and_fit_their_registers(source, sm90_reports):
+    report = sm90_reports[source.name].result()
     used = [int(n) for n in re.findall(r"Used (\d+) registers", report)]
     assert used and max(used) <= 128, report  # __launch_bounds__(512): 64K registers / 512 threads
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
