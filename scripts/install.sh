@@ -35,10 +35,11 @@ fi
 # The build: setuptools with its own bdist_wheel (--no-build-isolation builds
 # with what is installed) and ninja. numpy: torch runs without it but warns
 # at every import that it is missing. The tests and benchmarks: pytest,
-# hypothesis, transformers (tests/test_transformers.py; the "transformers"
-# extra in setup.py), matplotlib (heatmaps), tqdm (progress bars).
+# pytest-xdist (scripts/test.sh's workers), hypothesis, transformers
+# (tests/test_transformers.py; the "transformers" extra in setup.py),
+# matplotlib (heatmaps), tqdm (progress bars).
 requirements=("setuptools>=70.1" ninja numpy)
-[ "$PROFILE" = test ] && requirements+=(pytest hypothesis "transformers>=5.18" matplotlib tqdm)
+[ "$PROFILE" = test ] && requirements+=(pytest pytest-xdist hypothesis "transformers>=5.18" matplotlib tqdm)
 
 # The requirements this environment does not meet yet, checked locally, so a
 # second run does not ask the package index again.

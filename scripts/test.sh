@@ -6,11 +6,17 @@
 #   bash scripts/test.sh -x -k allreduce # stop at the first failure, a subset
 #
 # Works from any directory. GPU tests run where GPUs are found and are
-# skipped elsewhere; RDNA4_COMM_TEST_TRANSPORTS=cpu,dist,gpu (any subset) selects transports.
+# skipped elsewhere; RDNA4_COMM_TEST_TRANSPORTS=cpu,dist,gpu (any subset) selects transports,
+# RDNA4_COMM_TEST_JOBS=N the pytest-xdist workers (default 2).
 set -euo pipefail
 
 ROOT="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 bash scripts/install.sh test
-exec python3 -m pytest tests -q -p no:warnings "$@"
+# The test files in RDNA4_COMM_TEST_JOBS pytest-xdist workers (default 2,
+# CI's cores; 1 runs them in this process): most tests wait on their ranks'
+# processes as much as they compute.
+jobs=()
+if [ "${RDNA4_COMM_TEST_JOBS:-2}" -gt 1 ]; then jobs=(-n "${RDNA4_COMM_TEST_JOBS:-2}" --dist loadfile); fi
+exec python3 -m pytest tests -q -p no:warnings ${jobs[@]+"${jobs[@]}"} "$@"

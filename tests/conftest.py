@@ -104,6 +104,9 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The vLLM engines first: the longest file, which pytest-xdist's
+    # loadfile hands out in this order, so it does not end a run alone.
+    items.sort(key=lambda item: item.get_closest_marker("vllm") is None)
     if not ALL_WORLDS:
         skip = pytest.mark.skip(reason="no transport selected by RDNA4_COMM_TEST_TRANSPORTS")
         for item in items:
