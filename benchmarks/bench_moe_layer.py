@@ -13,8 +13,9 @@ Layer: transformers' MixtralSparseMoeBlock with hidden H, intermediate H,
 builds it from the same seed and keeps its E / W experts; T tokens per rank.
 Sweep: hidden {1024, 4096} x tokens per rank {8, 128, 1024}; --tokens and
 --hidden replace the sweep's values (any sizes: DeepSeek's H = 7168, a
-prefill's T = 4096); --quick: hidden 256 x tokens {8, 64}, which they filter. Each backend's output is checked against the HF
-block's own forward on this rank's tokens (bf16: to 3e-2). Records are named
+prefill's T = 4096); --quick: hidden 256 x tokens {8, 64}, which they
+filter. Each backend's output is checked against the HF block's own
+forward on this rank's tokens (bf16: to 3e-2). Records are named
 "MoE layer (rank layout)" and "MoE layer (expert layout)", each with its
 baseline; the expert layout's cost over the rank layout is the ratio of
 their rdna4_comm p50s. Needs transformers (setup.py extra "transformers").

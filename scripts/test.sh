@@ -17,6 +17,7 @@ bash scripts/install.sh test
 # The test files in RDNA4_COMM_TEST_JOBS pytest-xdist workers (default 2,
 # CI's cores; 1 runs them in this process): most tests wait on their ranks'
 # processes as much as they compute.
+workers="${RDNA4_COMM_TEST_JOBS:-2}"
 jobs=()
-if [ "${RDNA4_COMM_TEST_JOBS:-2}" -gt 1 ]; then jobs=(-n "${RDNA4_COMM_TEST_JOBS:-2}" --dist loadfile); fi
+if [ "$workers" -gt 1 ]; then jobs=(-n "$workers" --dist loadfile); fi
 exec python3 -m pytest tests -q -p no:warnings ${jobs[@]+"${jobs[@]}"} "$@"
