@@ -246,13 +246,18 @@ constexpr int64_t kExpertSliceBytes = 1024;
 // Slices per received row of `row_bytes` bytes in `vectors` vectors, over a
 // grid of `blocks`: as many as the blocks per row and kExpertSliceBytes
 // allow, each ceil(vectors / slices) vectors (the last one shorter), and no
-// slice left empty by that rounding.
+// slice left empty by that rounding. The placement's blocks compute it
+// first thing, so its divisions are 32-bit (on GPUs a 64-bit one is a
+// call): blocks fit, and so do a row's vectors (at most 2^21 row bytes:
+// device/rows.cuh).
 RC_HD int64_t expert_row_slices(int64_t received, int64_t row_bytes, int64_t vectors, int blocks) {
-  const int64_t by_blocks = blocks / (received > 1 ? received : 1), by_size = row_bytes / kExpertSliceBytes;
-  const int64_t most = by_blocks < by_size ? by_blocks : by_size;
-  if (most <= 1 || vectors <= 1) return 1;
-  const int64_t width = ceil_div(vectors, most);
-  return ceil_div(vectors, width);
+  if (received >= blocks || vectors <= 1) return 1;  // a block per row at most
+  const uint32_t by_blocks = uint32_t(blocks) / uint32_t(received > 1 ? received : 1);
+  const int64_t by_size = row_bytes / kExpertSliceBytes;
+  const uint32_t most = by_size < by_blocks ? uint32_t(by_size) : by_blocks, v = uint32_t(vectors);
+  if (most <= 1) return 1;
+  const uint32_t width = (v - 1) / most + 1;
+  return (v - 1) / width + 1;
 }
 // A combine whose receivers sum an expert layout's pair rows (the GPU
 // transport's) reads up to K rows a token where the rank layout's reads

@@ -211,8 +211,9 @@ def test_every_kernel_is_there(gfx1201_asm):
     # layout's pair rows (with the short loop).
     assert len([n for n in kernels(gfx1201_asm["combine.cu"]) if "combine_kernel" in n]) == 3 * 2 + 3
     # The expert layout's placement for int32 and int64 ids with 16-byte and
-    # 1-byte row vectors; its sums, one kernel per dtype.
-    for source, name, count in (("expert_layout.cu", "expert_place_kernel", 4), ("expert_sum.cu", "expert_sum_kernel", 3)):
+    # 1-byte row vectors, each for one and two groups of slots (slot_groups);
+    # its sums, one kernel per dtype.
+    for source, name, count in (("expert_layout.cu", "expert_place_kernel", 8), ("expert_sum.cu", "expert_sum_kernel", 3)):
         names = " ".join(kernels(gfx1201_asm[source]))
         assert names.count(name) == count, (name, names)
     # Rows in registers, rows of vectors, rows of elements, for three dtypes.

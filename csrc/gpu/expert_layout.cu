@@ -182,21 +182,22 @@ RC_DEVICE RowSource received_row_source(const ExpertLayoutArgs& a, uint64_t heap
 // expert), the pair's weight (its slots' weights summed in fp32 in slot
 // order from the first) and its place among the row's pairs (the pairs of
 // smaller experts come first).
+template <int G>
 struct RowPairs {
-  int32_t expert[kSlotGroups];  // the slot's local expert; -1 for none (-1, past K, or outside [0, E))
-  float weight[kSlotGroups];    // the pair's weight, where the slot starts one
-  int place[kSlotGroups];
-  bool starts[kSlotGroups];
+  int32_t expert[G];  // the slot's local expert; -1 for none (-1, past K, or outside [0, E))
+  float weight[G];    // the pair's weight, where the slot starts one
+  int place[G];
+  bool starts[G];
 };
-template <typename IdxT>
-RC_DEVICE RowPairs row_pairs(const ExpertLayoutArgs& a, int32_t j) {
+template <typename IdxT, int G>
+RC_DEVICE RowPairs<G> row_pairs(const ExpertLayoutArgs& a, int32_t j) {
   const int ws = warp_size(), lane = lane_id(), K = int(a.topk);
   const int64_t E = a.experts, w0 = int64_t(j) * K;
   const IdxT* ids = static_cast<const IdxT*>(a.ids) + w0;
-  RowPairs p;
-  float own[kSlotGroups];  // the slot's own weight, for the later slots of its expert
+  RowPairs<G> p;
+  float own[G];  // the slot's own weight, for the later slots of its expert
 #pragma unroll
-  for (int g = 0; g < kSlotGroups; ++g) {
+  for (int g = 0; g < G; ++g) {
     const int k = g * ws + lane;
     const IdxT id = k < K ? ids[k] : IdxT(-1);
     p.expert[g] = id >= 0 && int64_t(id) < E ? int32_t(id) : -1;
@@ -206,25 +207,33 @@ RC_DEVICE RowPairs row_pairs(const ExpertLayoutArgs& a, int32_t j) {
     p.place[g] = 0;
   }
 #pragma unroll
-  for (int gi = 0; gi < kSlotGroups; ++gi)
-    for (int li = 0; li < ws && gi * ws + li < K; ++li) {
-      const int i = gi * ws + li;
-      const int32_t ei = warp_shfl(p.expert[gi], li);
-      const float wi = __int_as_float(warp_shfl(__float_as_int(own[gi]), li));
+  for (int gi = 0; gi < G; ++gi) {
+    const int slots = K - gi * ws < ws ? K - gi * ws : ws;  // the group's slots (none past K)
+    // Four slots a step, unrolled by hand: HIP's clang unrolls a loop of
+    // shuffles (convergent) only whole, never by a count with a remainder.
+#pragma unroll 1
+    for (int l0 = 0; l0 < slots; l0 += 4)
 #pragma unroll
-      for (int g = 0; g < kSlotGroups; ++g) {
-        const int k = g * ws + lane;
-        if (p.expert[g] < 0 || ei != p.expert[g]) continue;
-        if (i < k) p.starts[g] = false;
-        else if (i > k) p.weight[g] += wi;
+      for (int li = l0; li < l0 + 4; ++li) {
+        if (li >= slots) break;
+        const int i = gi * ws + li;
+        const int32_t ei = warp_shfl(p.expert[gi], li);
+        const float wi = __int_as_float(warp_shfl(__float_as_int(own[gi]), li));
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          const int k = g * ws + lane;
+          if (p.expert[g] < 0 || ei != p.expert[g]) continue;
+          if (i < k) p.starts[g] = false;
+          else if (i > k) p.weight[g] += wi;
+        }
       }
-    }
+  }
 #pragma unroll
-  for (int gi = 0; gi < kSlotGroups; ++gi)
+  for (int gi = 0; gi < G; ++gi)
     for (uint64_t m = gi * ws < K ? warp_ballot(p.starts[gi]) : 0; m != 0; m &= m - 1) {
       const int32_t ei = warp_shfl(p.expert[gi], lowest_bit(m));
 #pragma unroll
-      for (int g = 0; g < kSlotGroups; ++g) p.place[g] += ei < p.expert[g];
+      for (int g = 0; g < G; ++g) p.place[g] += ei < p.expert[g];
     }
   return p;
 }
@@ -236,7 +245,8 @@ RC_DEVICE RowPairs row_pairs(const ExpertLayoutArgs& a, int32_t j) {
 // the last experts' pairs can fall past it; -1 and no bit for the others).
 // With `writes`, the warp also writes the row's expert_rows_of (the places'
 // rows in order, then -1) and the pairs' weights.
-RC_DEVICE void place_pairs(const ExpertLayoutArgs& a, const ExpertTables& t, int32_t j, const RowPairs& p,
+template <int G>
+RC_DEVICE void place_pairs(const ExpertLayoutArgs& a, const ExpertTables& t, int32_t j, const RowPairs<G>& p,
                            bool writes, int32_t* pair_row, uint64_t* kept) {
   const int ws = warp_size(), lane = lane_id(), K = int(a.topk);
   const int64_t E = a.experts, w0 = int64_t(j) * K;
@@ -245,7 +255,7 @@ RC_DEVICE void place_pairs(const ExpertLayoutArgs& a, const ExpertTables& t, int
   const int64_t c = j / kChunkRows;
   const uint32_t below = (1u << (j % kChunkRows)) - 1u;
 #pragma unroll
-  for (int g = 0; g < kSlotGroups; ++g) {
+  for (int g = 0; g < G; ++g) {
     if (!p.starts[g]) continue;
     const int64_t at = c * E + p.expert[g];
     const int64_t dest = int64_t(t.offsets[p.expert[g]]) + (t.prefix ? t.prefix[at] : 0) + __popc(t.masks[at] & below);
@@ -303,11 +313,12 @@ struct OneChunkRows {
   RowSource* src;   // [kChunkRows]
   int K;
   // Row j's pairs as row_pairs gave them, a pair per slot by place.
-  RC_DEVICE RowPairs of(int32_t j) const {
+  template <int G>
+  RC_DEVICE RowPairs<G> of(int32_t j) const {
     const int ws = warp_size();
-    RowPairs p;
+    RowPairs<G> p;
 #pragma unroll
-    for (int g = 0; g < kSlotGroups; ++g) {
+    for (int g = 0; g < G; ++g) {
       const int k = g * ws + lane_id();
       p.starts[g] = k < pairs[j];
       p.expert[g] = p.starts[g] ? expert[j * K + k] : -1;
@@ -317,10 +328,11 @@ struct OneChunkRows {
     return p;
   }
   // Row j's pairs (`p`, by the warp) set the chunk's masks and are kept.
-  RC_DEVICE void keep(int32_t j, const RowPairs& p, const RowSource& rs, uint32_t* masks) {
+  template <int G>
+  RC_DEVICE void keep(int32_t j, const RowPairs<G>& p, const RowSource& rs, uint32_t* masks) {
     int32_t n = 0;
 #pragma unroll
-    for (int g = 0; g < kSlotGroups; ++g) {
+    for (int g = 0; g < G; ++g) {
       if (p.starts[g]) {
         expert[j * K + p.place[g]] = p.expert[g];
         weight[j * K + p.place[g]] = p.weight[g];
@@ -389,7 +401,7 @@ RC_DEVICE void place_padding(const ExpertLayoutArgs& a, const ExpertTables& t, i
 // where block_prefetch_covers allows, prefetches the row's slices in the
 // block's share into L1 (prefetch_l1: none on HIP), so that after the
 // offsets' scan a slice only looks its pairs' rows up.
-template <typename IdxT, typename V>
+template <typename IdxT, typename V, int G>
 __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs a) {
   // Slice r of the batch: its row's pairs' rows (pair_row + r * K), which
   // of them are kept, and where its payload and scales are; the tables of
@@ -438,7 +450,7 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
     for (int32_t j = warp; j < received; j += nw) {
       const RowSource rs = received_row_source(a, heap_gen, j);
       if (prefetches) prefetch_row_share<V>(share, j, rs.row);
-      one_rows.keep(j, row_pairs<IdxT>(a, j), rs, one_masks);
+      one_rows.keep(j, row_pairs<IdxT, G>(a, j), rs, one_masks);
     }
     block_sync();  // the masks hold every row's pairs
     const bool outputs = blockIdx.x == 0;
@@ -465,10 +477,10 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
   auto prepare = [&](int r, int32_t j, bool writes) {
     if (one_chunk) {
       if (lane_id() == 0) src[r] = one_rows.src[j];
-      place_pairs(a, tables, j, one_rows.of(j), writes, pair_row + r * K, &kept[r]);
+      place_pairs(a, tables, j, one_rows.of<G>(j), writes, pair_row + r * K, &kept[r]);
     } else {
       if (lane_id() == 0) src[r] = received_row_source(a, heap_gen, j);
-      place_pairs(a, tables, j, row_pairs<IdxT>(a, j), writes, pair_row + r * K, &kept[r]);
+      place_pairs(a, tables, j, row_pairs<IdxT, G>(a, j), writes, pair_row + r * K, &kept[r]);
     }
   };
   for_received_rows(share, prepare, [&](int r, int32_t j, const RowSpan& s) {
@@ -499,8 +511,13 @@ void launch_expert_layout(const ExpertLayoutArgs& a, Stream s) {
     using IdxT = typename decltype(idx)::type;
     if (expert_tally_launched(a.rows, a.experts))
       RC_LAUNCH(expert_tally_kernel<IdxT>, expert_chunk_blocks(a.rows, a.sm_count), kThreads, 0, s, a);
-    if (v16) place(expert_place_kernel<IdxT, uint4>);
-    else place(expert_place_kernel<IdxT, uint8_t>);
+    auto groups = [&](auto g) {
+      constexpr int G = decltype(g)::value;
+      if (v16) place(expert_place_kernel<IdxT, uint4, G>);
+      else place(expert_place_kernel<IdxT, uint8_t, G>);
+    };
+    if (slot_groups(a.topk) == 1) groups(std::integral_constant<int, 1>{});
+    else groups(std::integral_constant<int, kMaxSlotGroups>{});
   };
   a.ids_int64 ? go(VecTag<int64_t>{}) : go(VecTag<int32_t>{});
 }

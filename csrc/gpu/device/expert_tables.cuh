@@ -15,9 +15,14 @@ namespace gpu {
 constexpr int kChunkRows = int(kExpertChunkRows);
 static_assert(kChunkRows <= kMinWarpSize && kChunkRows == 32, "a chunk's bitmask is one 32-bit word, a row per lane");
 static_assert(kMaxTopk <= 64, "a row's pairs are one 64-bit mask");
-// A row's slots, a lane each: slot k is lane k % warp size's, of its group k / warp size.
+// A row's slots, a lane each: slot k is lane k % warp size's, of its group
+// k / warp size. The placement is compiled for the groups a K takes on the
+// narrowest warp (slot_groups): a decode step's K = 8 pays for one group's
+// registers and shuffles, not kMaxTopk's.
 static_assert(kMaxTopk % kMinWarpSize == 0, "a row's slots fill whole groups of lanes");
-constexpr int kSlotGroups = kMaxTopk / kMinWarpSize;
+constexpr int kMaxSlotGroups = kMaxTopk / kMinWarpSize;
+static_assert(kMaxSlotGroups == 2, "the placement is compiled for 1 and 2 groups");
+RC_HD constexpr int slot_groups(int64_t topk) { return topk <= kMinWarpSize ? 1 : kMaxSlotGroups; }
 // Slots k of a received row (its K local ids, -1 where the expert lives
 // elsewhere) that start a pair: slot k names a local expert that no earlier
 // slot names. One bit per slot. The ids come a group at a time, the group's
