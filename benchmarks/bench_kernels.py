@@ -111,8 +111,11 @@ The targets are GPU targets: on CPUs the table prints, but does not judge, them.
 Output: the table, the per-op kernel breakdown, and a JSONL results file
 (refuses to overwrite; a header line with versions, device and command, one
 "result" line per row, "ncu" lines per profiled op, "note" lines).
+``--rows`` measures the rows it names alone (host rows among them are
+measured again after the device rows named with them).
 
     python3 benchmarks/bench_kernels.py --out bench_kernels.jsonl
+    python3 benchmarks/bench_kernels.py --rows 10 11 12 13 --out expert_rows.jsonl
     python3 benchmarks/bench_kernels.py --ncu --out bench_kernels_ncu.jsonl
     python3 benchmarks/bench_kernels.py --device cpu --quick
 """
@@ -211,6 +214,9 @@ def make_rows(shapes: Shapes) -> list[Row]:
     ]
 
 
+ROW_COUNT = len(make_rows(GPU_SHAPES))
+
+
 # ------------------------------------------------------ the ncu child
 
 
@@ -256,6 +262,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "graph replays (default 40 on the GPU, 20 on CPUs, 5 with --quick)")
     p.add_argument("--host-calls", type=int, help="back-to-back eager calls per host-time block "
                    f"(default 50 on the GPU, at most {MAX_GPU_HOST_CALLS}; 20 on CPUs; 10 with --quick)")
+    p.add_argument("--rows", type=int, nargs="+", metavar="N",
+                   help="measure these rows alone (default: every row), e.g. --rows 10 11 to compare two trees' "
+                        "expert decode steps in more processes per device command")
     p.add_argument("--ncu", action="store_true", help="also run the ops under Nsight Compute (GPU) and add "
                    "DRAM throughput and instruction counts per kernel")
     p.add_argument("--out", type=Path, help="results file (.jsonl); refuses to overwrite "
@@ -265,6 +274,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("rounds", "calls", "host_calls"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    bad = sorted(set(args.rows or ()) - set(range(1, ROW_COUNT + 1)))
+    if bad:
+        p.error(f"--rows must name rows 1 to {ROW_COUNT}, got {', '.join(map(str, bad))}")
     return args
 
 
@@ -399,7 +411,7 @@ def main(argv=None) -> int:
     if out is None:
         return 2
     out.parent.mkdir(parents=True, exist_ok=True)
-    rows = make_rows(shapes)
+    rows = [r for r in make_rows(shapes) if not args.rows or r.n in args.rows]
     print(f"{NAME}: {len(rows)} rows, one {device.upper()} rank (transport {transport!r}), {rounds} rounds x "
           f"{calls} calls, host time in blocks of {host_calls} calls -> {out}", flush=True)
 
@@ -422,7 +434,7 @@ def main(argv=None) -> int:
             timer = Timer(rank)
             write(_common.header(
                 NAME, describe(rank), rounds=rounds, calls=calls, host_calls=host_calls, host_blocks=host_blocks,
-                shapes=asdict(shapes),
+                shapes=asdict(shapes), rows=[r.n for r in rows],
                 device_time="torch.profiler: sum of a call's device activities" if timer.gpu else
                             "perf_counter around each call (the CPU transport runs on the calling thread)",
                 host_time="perf_counter around blocks of eager calls" +

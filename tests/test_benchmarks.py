@@ -233,6 +233,21 @@ def test_bench_kernels_on_cpu(tmp_path):
     assert out.read_bytes() == before
 
 
+def test_bench_kernels_measures_the_rows_asked_for(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    script = str(ROOT / "benchmarks" / "bench_kernels.py")
+    r = run(script, "--device", "cpu", "--quick", "--rows", "10", "3", "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    table = [line for line in r.stdout.splitlines() if re.match(r"^ *\d+\s{2}", line)]
+    assert [int(line.split()[0]) for line in table] == [3, 10], r.stdout
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lines[0]["rows"] == [3, 10]
+    assert [x["row"] for x in lines if x["type"] == "result"] == [3, 10]
+    bad = run(script, "--device", "cpu", "--rows", "0", str(BENCH_KERNELS_ROWS + 1), "--out", str(tmp_path / "x.jsonl"))
+    assert bad.returncode == 2 and f"--rows must name rows 1 to {BENCH_KERNELS_ROWS}, got 0, 14" in bad.stderr
+    assert not (tmp_path / "x.jsonl").exists()
+
+
 def _bench_kernels_module():
     """benchmarks/bench_kernels.py as a module (for its ncu child's command line)."""
     if "bench_kernels" not in sys.modules:
