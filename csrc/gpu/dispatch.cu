@@ -130,9 +130,10 @@ RC_DEVICE bool dispatch_receiver(const Env& env, const DispatchArgs& a, Dispatch
       char* row = L.dispatch_row(env.data[me], gen, s, hr);
       if (!a.peer_rows_stay) {
         auto out_row = [&](int) { return out_x + o * payload; };
-        copy_row<V, false>(row, out_row, 1u, rs);
-        if (kFp8 && rs.lead)
-          copy_scales<false>(L.row_scales(row), S, [&](int) { return a.out_scales + o * S; }, 1u, rs);
+        if constexpr (kFp8)
+          copy_row_and_scales<V, false>(row, L.row_scales(row), S, out_row, [&](int) { return a.out_scales + o * S; },
+                                        1u, rs);
+        else copy_row<V, false>(row, out_row, 1u, rs);
       }
       if (!rs.lead) return;
       for (int k = int(rs.first); k < K; k += int(rs.stride)) {

@@ -39,7 +39,7 @@ enum PayloadMode : int { kRowsAsIs = 0, kQuantizeFp8 = 1, kFp8Pair = 2 };
 
 // Units of a row in the row loops: vectors of RowVector of the row's bytes
 // (an FP8 row's q bytes; its scales go with the row's lead warp,
-// copy_scales), or, where the row is quantised, FP8 lanes (fp8_rows.cuh).
+// copy_row_and_scales), or, where the row is quantised, FP8 lanes (fp8_rows.cuh).
 template <int kMode, typename RowVector>
 RC_DEVICE uint32_t row_units(const Layout& layout) {
   if constexpr (kMode == kQuantizeFp8) return fp8_row_units(layout.hidden);
@@ -314,10 +314,12 @@ struct DispatchSender {
     if constexpr (kMode == kQuantizeFp8) {
       quantize_fp8_row(x + tok * in_row_bytes, args.x_dtype, hidden, args.fp8_vectors, row_of, scales_of,
                        payload_dests, s);
-    } else if (payload_dests != 0) {
+    } else if (payload_dests == 0) {
+    } else if constexpr (kMode == kFp8Pair) {
+      copy_row_and_scales<RowVector, true>(x + tok * in_row_bytes, args.x_scales + tok * scales_per_row, scales_per_row,
+                                           row_of, scales_of, payload_dests, s);
+    } else {
       copy_row<RowVector, true>(x + tok * in_row_bytes, row_of, payload_dests, s);
-      if (kMode == kFp8Pair && s.lead)
-        copy_scales<true>(args.x_scales + tok * scales_per_row, scales_per_row, scales_of, payload_dests, s);
     }
     if (!s.lead) return;
 #pragma unroll

@@ -485,10 +485,8 @@ __global__ void __launch_bounds__(kThreads) expert_place_kernel(ExpertLayoutArgs
   };
   for_received_rows(share, prepare, [&](int r, int32_t j, const RowSpan& s) {
     auto row_at = [&](int p) { return a.out_x + int64_t(pair_row[r * K + p]) * rb; };
-    copy_row<V, true>(src[r].row, row_at, kept[r], s);
-    if (src[r].scales && s.lead)
-      copy_scales<true>(src[r].scales, S, [&](int p) { return a.out_scales + int64_t(pair_row[r * K + p]) * S; }, kept[r],
-                        s);
+    auto scales_at = [&](int p) { return a.out_scales + int64_t(pair_row[r * K + p]) * S; };
+    copy_row_and_scales<V, true>(src[r].row, src[r].scales, src[r].scales ? S : 0, row_at, scales_at, kept[r], s);
   });
   place_unreceived(a, received);
   place_padding<V>(a, tables, nvec);
