@@ -90,7 +90,7 @@ RC_DEVICE bool dispatch_receiver(const Env& env, const DispatchArgs& a, Dispatch
   const int64_t H = L.hidden, S = L.fp8_scales, payload = kFp8 ? H : H * L.elt, K = L.topk, cap = L.cap;
   // A received row is its bytes; a row left in the heap (peer_rows_stay) is
   // its routing alone, one row per warp step.
-  const uint32_t nvec = a.peer_rows_stay ? 1u : row_units<kFp8 ? kFp8Pair : kRowsAsIs, V>(L);
+  const uint32_t nvec = a.peer_rows_stay ? 1u : row_units<kFp8 ? kFp8Pair : kRowsAsIs, V>(L, a.x_dtype);
   char* out_x = static_cast<char*>(a.out_x);
   IdxT* out_idx = static_cast<IdxT*>(a.out_idx);
 

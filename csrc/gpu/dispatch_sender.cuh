@@ -41,8 +41,8 @@ enum PayloadMode : int { kRowsAsIs = 0, kQuantizeFp8 = 1, kFp8Pair = 2 };
 // (an FP8 row's q bytes; its scales go with the row's lead warp,
 // copy_row_and_scales), or, where the row is quantised, FP8 lanes (fp8_rows.cuh).
 template <int kMode, typename RowVector>
-RC_DEVICE uint32_t row_units(const Layout& layout) {
-  if constexpr (kMode == kQuantizeFp8) return fp8_row_units(layout.hidden);
+RC_DEVICE uint32_t row_units(const Layout& layout, DType x_dtype) {
+  if constexpr (kMode == kQuantizeFp8) return fp8_row_units(layout.hidden, x_dtype);
   return uint32_t(layout.hidden * (kMode == kRowsAsIs ? layout.elt : 1) / int64_t(sizeof(RowVector)));
 }
 
@@ -122,7 +122,7 @@ struct DispatchSender {
         ntok(int32_t(args.ntok)),
         chunk_tokens(int32_t(launch.own_block_tokens)),
         tokens(sender_tokens(args, launch, block)),
-        units_per_row(row_units<kMode, RowVector>(layout)),
+        units_per_row(row_units<kMode, RowVector>(layout, args.x_dtype)),
         x(static_cast<const char*>(args.x)),
         out_x(static_cast<char*>(args.out_x)),
         out_idx(static_cast<IdxT*>(args.out_idx)),

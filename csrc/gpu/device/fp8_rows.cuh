@@ -1,11 +1,19 @@
 // FP8 quantisation in the row loops of rows.cuh (a row that is already FP8
 // moves as its bytes, with copy_row): a row of H channels is
-// fp8_num_scales(H) blocks of kFp8Block channels (fp8.h), and a block is one
-// warp width of units, so a warp's piece (a whole number of warp widths,
-// for_row_pieces) takes whole blocks: lane l holds channels [block *
-// kFp8Block + l * c, + c), c = kFp8Block / warp size, and the warp reduces
-// the block's amax with shuffles before any lane stores. Any H: channels
-// past it are zeros to the amax and are not stored.
+// fp8_num_scales(H) blocks of kFp8Block channels (fp8.h), and a lane takes
+// 16 bytes of x's channels, kFp8LaneChannels<T> of dtype T (8 of a 16-bit
+// dtype, 4 of fp32), so a block is kFp8BlockLanes<T> units, a lane each:
+// unit v of a row holds channels [v / L * kFp8Block + v % L * c, + c), L
+// the block's lanes and c the lane's channels. A warp's piece (a whole
+// number of warp widths, for_row_pieces) starts on a block, since a row's
+// units are whole blocks and a warp width is whole blocks (kMinWarpSize is
+// a multiple of L), so each group of L lanes takes one block and reduces
+// its amax with shuffles within the group before any lane stores. A 32-lane
+// warp quantises two blocks of a 16-bit row at a time, and each load,
+// shuffle, scale and store instruction serves both: the quantising
+// dispatch issues fewer instructions per byte (fp32 x keeps 4 channels a
+// lane, whose 8 took gfx1201's build to scratch). Any H: channels past it
+// are zeros to the amax and are not stored.
 #pragma once
 
 #include <type_traits>
@@ -16,83 +24,80 @@
 namespace rdna4_comm {
 namespace gpu {
 
-static_assert(kFp8Block % kMinWarpSize == 0 && kFp8Block / kMinWarpSize <= 4, "a lane holds at most 4 channels");
-constexpr int kFp8LaneChannels = kFp8Block / kMinWarpSize;
-
-RC_DEVICE uint32_t fp8_row_units(int64_t hidden) { return uint32_t(fp8_num_scales(hidden)) * uint32_t(warp_size()); }
-
-// Input bytes each lane has in flight in the FP8 row loops: 4 blocks of
-// 16-bit channels at a time, 2 of fp32 ones (the same registers).
-constexpr int kFp8LaneLoadBytes = 32;
+constexpr int kFp8LaneBytes = 16;
 template <DType kT>
-constexpr int kFp8Unroll = kFp8LaneLoadBytes / (kFp8LaneChannels * (kT == DType::kF32 ? 4 : 2));
+constexpr int kFp8LaneChannels = kFp8LaneBytes / (kT == DType::kF32 ? 4 : 2);
+template <DType kT>
+constexpr int kFp8BlockLanes = int(kFp8Block) / kFp8LaneChannels<kT>;
+static_assert(kFp8Block % kFp8LaneChannels<DType::kBF16> == 0 && kFp8Block % kFp8LaneChannels<DType::kF32> == 0,
+              "a block is whole lanes");
+static_assert(kMinWarpSize % kFp8BlockLanes<DType::kBF16> == 0 && kMinWarpSize % kFp8BlockLanes<DType::kF32> == 0,
+              "a warp width is whole blocks");
 
-// Rows of whole blocks whose starts are 16-byte aligned (`vector`, from the
-// host) move a lane's 4 channels as one vector (wave32: 128 / 32 channels).
-RC_DEVICE bool fp8_lane_vectors(bool vector) { return vector && kFp8Block / warp_size() == 4; }
+// A row's units in the row loops: its blocks' lanes for x of dtype t.
+RC_DEVICE uint32_t fp8_row_units(int64_t hidden, DType t) {
+  const int64_t lanes = t == DType::kF32 ? kFp8BlockLanes<DType::kF32> : kFp8BlockLanes<DType::kBF16>;
+  return uint32_t(fp8_num_scales(hidden) * lanes);
+}
 
-// The warp's U blocks in flight from unit v0 of span s. A span's stride is
-// the warp's width (for_row_pieces), so they are consecutive blocks at the
-// same lane: block0 is the first, the lane's first channel of block u
-// first(u) (a row's channels fit 32 bits: its bytes do, rows.cuh), the
-// lane's channels of it below H count(u), and the lead lane stores the
-// blocks' scales. Each is worked out from v0 where it is used: a few
-// instructions, where keeping them across the loop's body took registers
-// that the sender's routing then spilled. kWhole (fp8_lane_vectors): every
-// block of the span is whole, so a count is all of the lane's channels or
-// none, the same on every lane.
-template <bool kWhole>
+// Blocks each lane has in flight in the FP8 row loops: 32 bytes of x.
+constexpr int kFp8Unroll = 2;
+
+// The lane's U blocks in flight from its unit v0 of span s. A span's stride
+// is the warp's width (for_row_pieces), so block u is warp width / L blocks
+// past block u - 1, at the same place: block(u) is its index in the row,
+// the lane's first channel of it first(u) (a row's channels fit 32 bits:
+// its bytes do, rows.cuh), the lane's channels of it below H count(u), and
+// the block's first lane (lead) stores its scale. Each is worked out from
+// v0 where it is used: a few instructions, where keeping them across the
+// loop's body took registers that the sender's routing then spilled.
+// kWhole (the host's fp8_vectors): every block of the span is whole, so a
+// count is all of the lane's channels or none, the same on every lane of a
+// block.
+template <DType kT, bool kWhole>
 struct Fp8Blocks {
+  static constexpr uint32_t kLanes = kFp8BlockLanes<kT>, kChannels = kFp8LaneChannels<kT>;
   uint32_t v0, end;
   int64_t hidden;
-  RC_DEVICE uint32_t block0() const { return v0 / uint32_t(warp_size()); }
-  RC_DEVICE bool lead() const { return v0 % uint32_t(warp_size()) == 0; }
-  RC_DEVICE uint32_t first(int u) const {
-    const uint32_t ws = uint32_t(warp_size());
-    return (block0() + uint32_t(u)) * uint32_t(kFp8Block) + v0 % ws * (uint32_t(kFp8Block) / ws);
-  }
+  RC_DEVICE uint32_t block(int u) const { return (v0 + uint32_t(u) * uint32_t(warp_size())) / kLanes; }
+  RC_DEVICE bool lead() const { return v0 % kLanes == 0; }
+  RC_DEVICE uint32_t first(int u) const { return block(u) * uint32_t(kFp8Block) + v0 % kLanes * kChannels; }
   RC_DEVICE int count(int u) const {
     const bool in_span = v0 + uint32_t(u) * uint32_t(warp_size()) < end;
-    if constexpr (kWhole) return in_span ? kFp8LaneChannels : 0;
-    const int64_t per_lane = kFp8Block / warp_size(), left = in_span ? hidden - int64_t(first(u)) : 0;
-    return int(left < 0 ? 0 : (left < per_lane ? left : per_lane));
+    if constexpr (kWhole) return in_span ? int(kChannels) : 0;
+    const int64_t left = in_span ? hidden - int64_t(first(u)) : 0;
+    return int(left < 0 ? 0 : (left < int64_t(kChannels) ? left : int64_t(kChannels)));
   }
 };
 
-// A lane's channels of a block as loaded (kT: 2-byte channels two to a
-// word, fp32 ones a word each), zeros past H. The conversion to fp32
-// (lane_floats) is apart, so that the loads of the next blocks stay in
-// flight while the warp quantises the current ones.
+// A lane's channels of a block as loaded, its 16 bytes (kT: 2-byte
+// channels two to a word, fp32 ones a word each), zeros past H. The
+// conversion to fp32 (lane_floats) is apart, so that the loads of the next
+// blocks stay in flight while the warp quantises the current ones.
 template <DType kT>
 struct Fp8LaneBits {
   static constexpr int kBytes = kT == DType::kF32 ? 4 : 2;
-  uint32_t w[kFp8LaneChannels * kBytes / 4];
+  uint32_t w[kFp8LaneBytes / 4];
 };
 template <DType kT, bool kWhole>
 RC_DEVICE Fp8LaneBits<kT> load_lane(const void* x, uint32_t first, int count) {
   constexpr int kBytes = Fp8LaneBits<kT>::kBytes;
   Fp8LaneBits<kT> b{};
   if constexpr (kWhole) {
-    static_assert(kFp8LaneChannels == 4, "a lane's vector is 4 channels");
     if (count == 0) return b;  // past the span
-    if constexpr (kBytes == 4) {
-      const uint4 r = load_input(reinterpret_cast<const uint4*>(x) + first / 4);
-      b.w[0] = r.x, b.w[1] = r.y, b.w[2] = r.z, b.w[3] = r.w;
-    } else {
-      const uint2 r = load_input(reinterpret_cast<const uint2*>(x) + first / 4);
-      b.w[0] = r.x, b.w[1] = r.y;
-    }
+    const uint4 r = load_input(reinterpret_cast<const uint4*>(x) + first / kFp8LaneChannels<kT>);
+    b.w[0] = r.x, b.w[1] = r.y, b.w[2] = r.z, b.w[3] = r.w;
   } else {
 #pragma unroll
-    for (int i = 0; i < kFp8LaneChannels; ++i)
+    for (int i = 0; i < kFp8LaneChannels<kT>; ++i)
       if (i < count) b.w[i * kBytes / 4] |= element_bits(x, first + i, kT) << (8 * (i * kBytes % 4));
   }
   return b;
 }
 template <DType kT>
-RC_DEVICE void lane_floats(const Fp8LaneBits<kT>& b, float (&v)[kFp8LaneChannels]) {
+RC_DEVICE void lane_floats(const Fp8LaneBits<kT>& b, float (&v)[kFp8LaneChannels<kT>]) {
 #pragma unroll
-  for (int i = 0; i < kFp8LaneChannels; ++i) {
+  for (int i = 0; i < kFp8LaneChannels<kT>; ++i) {
     if constexpr (kT == DType::kF32) {
       v[i] = __uint_as_float(b.w[i]);
     } else {
@@ -102,16 +107,26 @@ RC_DEVICE void lane_floats(const Fp8LaneBits<kT>& b, float (&v)[kFp8LaneChannels
   }
 }
 
-// This lane's FP8 bytes of block u to memory.
-template <bool kWhole>
-RC_DEVICE void store_lane_bytes(uint8_t* q, const Fp8Blocks<kWhole>& blocks, int u, uint32_t bytes) {
+// A lane's FP8 bytes of a block, channel i in byte i % 4 of word i / 4.
+template <DType kT>
+struct Fp8LaneBytes {
+  uint32_t w[kFp8LaneChannels<kT> / 4];
+};
+
+// This lane's FP8 bytes of block u to memory (whole blocks: aligned to
+// their size, the row's start being 16-byte aligned).
+template <DType kT, bool kWhole>
+RC_DEVICE void store_lane_bytes(uint8_t* q, const Fp8Blocks<kT, kWhole>& blocks, int u, const Fp8LaneBytes<kT>& bytes) {
   const uint32_t first = blocks.first(u);
-  if constexpr (kWhole) {
-    *reinterpret_cast<uint32_t*>(q + first) = bytes;
+  if constexpr (kWhole && kFp8LaneChannels<kT> == 8) {
+    *reinterpret_cast<uint2*>(q + first) = make_uint2(bytes.w[0], bytes.w[1]);
+  } else if constexpr (kWhole) {
+    static_assert(kFp8LaneChannels<kT> == 4, "a lane's bytes are one 4- or 8-byte store");
+    *reinterpret_cast<uint32_t*>(q + first) = bytes.w[0];
   } else {
 #pragma unroll
-    for (int i = 0; i < kFp8LaneChannels; ++i)
-      if (i < blocks.count(u)) q[first + i] = uint8_t(bytes >> (8 * i));
+    for (int i = 0; i < kFp8LaneChannels<kT>; ++i)
+      if (i < blocks.count(u)) q[first + i] = uint8_t(bytes.w[i / 4] >> (8 * (i % 4)));
   }
 }
 
@@ -127,8 +142,8 @@ RC_DEVICE void store_lane_bytes(uint8_t* q, const Fp8Blocks<kWhole>& blocks, int
 template <DType kT, bool kWhole, typename QOf, typename ScalesOf>
 RC_DEVICE void quantize_fp8_span(const void* x, int64_t hidden, QOf q_of, ScalesOf scales_of, uint32_t mask,
                                  const RowSpan& s) {
-  constexpr int U = kFp8Unroll<kT>;
-  using Blocks = Fp8Blocks<kWhole>;
+  constexpr int U = kFp8Unroll, C = kFp8LaneChannels<kT>;
+  using Blocks = Fp8Blocks<kT, kWhole>;
   const uint32_t step = s.stride * U;
   Fp8LaneBits<kT> bits[U];
   auto load = [&](uint32_t v0) {
@@ -136,37 +151,46 @@ RC_DEVICE void quantize_fp8_span(const void* x, int64_t hidden, QOf q_of, Scales
 #pragma unroll
     for (int u = 0; u < U; ++u) bits[u] = load_lane<kT, kWhole>(x, blocks.first(u), blocks.count(u));
   };
+  // The loop runs from the warp's first unit (lane 0's), so that every lane
+  // takes every pass and its shuffles: a span may end after half a warp
+  // width's blocks, and the lanes past its end then hold none (count 0).
+  const uint32_t warp_first = uint32_t(warp_shfl(int(s.first), 0)), lane = s.first - warp_first;
   load(s.first);
-  for (uint32_t v0 = s.first; v0 < s.end; v0 += step) {
-    const Blocks blocks{v0, s.end, hidden};
-    float val[U][kFp8LaneChannels];
+  for (uint32_t w0 = warp_first; w0 < s.end; w0 += step) {
+    const Blocks blocks{w0 + lane, s.end, hidden};
+    float val[U][C];
 #pragma unroll
     for (int u = 0; u < U; ++u) lane_floats<kT>(bits[u], val[u]);
-    if (v0 + step < s.end) load(v0 + step);
+    if (w0 + step < s.end) load(w0 + step + lane);
     uint32_t amax[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       amax[u] = 0;
 #pragma unroll
-      for (int i = 0; i < kFp8LaneChannels; ++i) amax[u] = fp8_amax_bits(amax[u], val[u][i]);
+      for (int i = 0; i < C; ++i) amax[u] = fp8_amax_bits(amax[u], val[u][i]);
     }
-    // Every lane of the warp runs the shuffles: a span ends on a block boundary.
-    for (int o = warp_size() / 2; o > 0; o /= 2)
+    // Every lane of the warp runs the shuffles (a span ends on a block
+    // boundary), each within its block's lanes.
+#pragma unroll
+    for (int o = Blocks::kLanes / 2; o > 0; o /= 2)
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const uint32_t other = uint32_t(warp_shfl_xor(int(amax[u]), o));
         amax[u] = other > amax[u] ? other : amax[u];
       }
     float scale[U];
-    uint32_t q[U];
+    Fp8LaneBytes<kT> q[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       scale[u] = fp8_scale(bits_float(amax[u]));
       const Fp8Divisor divisor = fp8_divisor(scale[u]);
-      float quot[kFp8LaneChannels];
 #pragma unroll
-      for (int i = 0; i < kFp8LaneChannels; ++i) quot[i] = fp8_quotient(val[u][i], divisor);
-      q[u] = fp8x4_bits(quot);
+      for (int w = 0; w < C / 4; ++w) {
+        float quot[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) quot[i] = fp8_quotient(val[u][4 * w + i], divisor);
+        q[u].w[w] = fp8x4_bits(quot);
+      }
     }
 #pragma unroll 1
     for (uint32_t m = mask; m != 0; m &= m - 1) {
@@ -179,7 +203,7 @@ RC_DEVICE void quantize_fp8_span(const void* x, int64_t hidden, QOf q_of, Scales
         float* sd = scales_of(d);
 #pragma unroll
         for (int u = 0; u < U; ++u)
-          if (blocks.count(u) > 0) sd[blocks.block0() + u] = scale[u];
+          if (blocks.count(u) > 0) sd[blocks.block(u)] = scale[u];
       }
     }
   }
@@ -198,7 +222,7 @@ RC_DEVICE void quantize_fp8_row(const void* x, DType t, int64_t hidden, bool vec
       default: return quantize_fp8_span<DType::kF16, kWhole>(x, hidden, q_of, scales_of, mask, s);
     }
   };
-  if (fp8_lane_vectors(vector)) go(std::true_type{});
+  if (vector) go(std::true_type{});
   else go(std::false_type{});
 }
 
