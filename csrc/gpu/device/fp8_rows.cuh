@@ -152,8 +152,8 @@ RC_DEVICE void quantize_fp8_span(const void* x, int64_t hidden, QOf q_of, Scales
     for (int u = 0; u < U; ++u) bits[u] = load_lane<kT, kWhole>(x, blocks.first(u), blocks.count(u));
   };
   // The loop runs from the warp's first unit (lane 0's), so that every lane
-  // takes every pass and its shuffles: a span may end after half a warp
-  // width's blocks, and the lanes past its end then hold none (count 0).
+  // takes every pass and its shuffles: a span may end after any whole
+  // number of blocks, and the lanes past its end then hold none (count 0).
   const uint32_t warp_first = uint32_t(warp_shfl(int(s.first), 0)), lane = s.first - warp_first;
   load(s.first);
   for (uint32_t w0 = warp_first; w0 < s.end; w0 += step) {

@@ -123,7 +123,7 @@ constexpr int kLaneScales = 2;
 // (s.lead: lanes k = lane, lane + stride, ...). A lead lane loads its first
 // kLaneScales scales before the row's vectors and stores them after them:
 // loaded and stored after the row, they waited a round trip of their own
-// (12% of the warp samples of an FP8 pair's dispatch at T = 4096 on an
+// (12.5% of the warp samples of an FP8 pair's dispatch at T = 4096 on an
 // H100). kInput: as copy_row's, for the scales too.
 template <typename V, bool kInput, typename RowOf, typename ScalesOf, typename Mask>
 RC_DEVICE void copy_row_and_scales(const char* src, const float* scales, int64_t n, RowOf row_of, ScalesOf scales_of,
