@@ -314,12 +314,11 @@ struct DispatchSender {
     if constexpr (kMode == kQuantizeFp8) {
       quantize_fp8_row(x + tok * in_row_bytes, args.x_dtype, hidden, args.fp8_vectors, row_of, scales_of,
                        payload_dests, s);
-    } else if (payload_dests == 0) {
-    } else if constexpr (kMode == kFp8Pair) {
-      copy_row_and_scales<RowVector, true>(x + tok * in_row_bytes, args.x_scales + tok * scales_per_row, scales_per_row,
-                                           row_of, scales_of, payload_dests, s);
-    } else {
-      copy_row<RowVector, true>(x + tok * in_row_bytes, row_of, payload_dests, s);
+    } else if (payload_dests != 0) {
+      if constexpr (kMode == kFp8Pair)
+        copy_row_and_scales<RowVector, true>(x + tok * in_row_bytes, args.x_scales + tok * scales_per_row,
+                                             scales_per_row, row_of, scales_of, payload_dests, s);
+      else copy_row<RowVector, true>(x + tok * in_row_bytes, row_of, payload_dests, s);
     }
     if (!s.lead) return;
 #pragma unroll

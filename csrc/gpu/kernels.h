@@ -15,7 +15,7 @@ namespace rdna4_comm {
 namespace gpu {
 
 enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
-RC_HD int dtype_bytes(DType d) { return d == DType::kF32 ? 4 : 2; }
+RC_HD constexpr int dtype_bytes(DType d) { return d == DType::kF32 ? 4 : 2; }
 
 // Everything a kernel needs about the communicator. Passed by value: it never
 // changes after init, so graph-captured launches stay valid.

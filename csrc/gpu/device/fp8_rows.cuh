@@ -26,7 +26,7 @@ namespace gpu {
 
 constexpr int kFp8LaneBytes = 16;
 template <DType kT>
-constexpr int kFp8LaneChannels = kFp8LaneBytes / (kT == DType::kF32 ? 4 : 2);
+constexpr int kFp8LaneChannels = kFp8LaneBytes / dtype_bytes(kT);
 template <DType kT>
 constexpr int kFp8BlockLanes = int(kFp8Block) / kFp8LaneChannels<kT>;
 static_assert(kFp8Block % kFp8LaneChannels<DType::kBF16> == 0 && kFp8Block % kFp8LaneChannels<DType::kF32> == 0,
@@ -36,8 +36,7 @@ static_assert(kMinWarpSize % kFp8BlockLanes<DType::kBF16> == 0 && kMinWarpSize %
 
 // A row's units in the row loops: its blocks' lanes for x of dtype t.
 RC_DEVICE uint32_t fp8_row_units(int64_t hidden, DType t) {
-  const int64_t lanes = t == DType::kF32 ? kFp8BlockLanes<DType::kF32> : kFp8BlockLanes<DType::kBF16>;
-  return uint32_t(fp8_num_scales(hidden) * lanes);
+  return uint32_t(fp8_num_scales(hidden) * (kFp8Block / (kFp8LaneBytes / dtype_bytes(t))));
 }
 
 // Blocks each lane has in flight in the FP8 row loops: 32 bytes of x.
@@ -76,7 +75,7 @@ struct Fp8Blocks {
 // blocks stay in flight while the warp quantises the current ones.
 template <DType kT>
 struct Fp8LaneBits {
-  static constexpr int kBytes = kT == DType::kF32 ? 4 : 2;
+  static constexpr int kBytes = dtype_bytes(kT);
   uint32_t w[kFp8LaneBytes / 4];
 };
 template <DType kT, bool kWhole>
