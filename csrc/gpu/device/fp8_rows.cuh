@@ -25,10 +25,12 @@ namespace rdna4_comm {
 namespace gpu {
 
 constexpr int kFp8LaneBytes = 16;
+RC_HD constexpr int fp8_lane_channels(DType t) { return kFp8LaneBytes / dtype_bytes(t); }
+RC_HD constexpr int fp8_block_lanes(DType t) { return int(kFp8Block) / fp8_lane_channels(t); }
 template <DType kT>
-constexpr int kFp8LaneChannels = kFp8LaneBytes / dtype_bytes(kT);
+constexpr int kFp8LaneChannels = fp8_lane_channels(kT);
 template <DType kT>
-constexpr int kFp8BlockLanes = int(kFp8Block) / kFp8LaneChannels<kT>;
+constexpr int kFp8BlockLanes = fp8_block_lanes(kT);
 static_assert(kFp8Block % kFp8LaneChannels<DType::kBF16> == 0 && kFp8Block % kFp8LaneChannels<DType::kF32> == 0,
               "a block is whole lanes");
 static_assert(kMinWarpSize % kFp8BlockLanes<DType::kBF16> == 0 && kMinWarpSize % kFp8BlockLanes<DType::kF32> == 0,
@@ -36,7 +38,7 @@ static_assert(kMinWarpSize % kFp8BlockLanes<DType::kBF16> == 0 && kMinWarpSize %
 
 // A row's units in the row loops: its blocks' lanes for x of dtype t.
 RC_DEVICE uint32_t fp8_row_units(int64_t hidden, DType t) {
-  return uint32_t(fp8_num_scales(hidden) * (kFp8Block / (kFp8LaneBytes / dtype_bytes(t))));
+  return uint32_t(fp8_num_scales(hidden) * fp8_block_lanes(t));
 }
 
 // Blocks each lane has in flight in the FP8 row loops: 32 bytes of x.

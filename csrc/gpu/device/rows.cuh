@@ -129,6 +129,9 @@ template <typename V, bool kInput, typename RowOf, typename ScalesOf, typename M
 RC_DEVICE void copy_row_and_scales(const char* src, const float* scales, int64_t n, RowOf row_of, ScalesOf scales_of,
                                    Mask mask, const RowSpan& s) {
   auto load = [&](int64_t k) { return kInput ? load_input(scales + k) : scales[k]; };
+  auto store = [&](int64_t k, float v) {
+    for (Mask m = mask; m != 0; m &= m - 1) scales_of(lowest_bit(m))[k] = v;
+  };
   float first[kLaneScales];
 #pragma unroll
   for (int i = 0; i < kLaneScales; ++i) {
@@ -140,13 +143,9 @@ RC_DEVICE void copy_row_and_scales(const char* src, const float* scales, int64_t
 #pragma unroll
   for (int i = 0; i < kLaneScales; ++i) {
     const int64_t k = s.first + int64_t(i) * s.stride;
-    if (k < n)
-      for (Mask m = mask; m != 0; m &= m - 1) scales_of(lowest_bit(m))[k] = first[i];
+    if (k < n) store(k, first[i]);
   }
-  for (int64_t k = s.first + int64_t(kLaneScales) * s.stride; k < n; k += s.stride) {
-    const float v = load(k);
-    for (Mask m = mask; m != 0; m &= m - 1) scales_of(lowest_bit(m))[k] = v;
-  }
+  for (int64_t k = s.first + int64_t(kLaneScales) * s.stride; k < n; k += s.stride) store(k, load(k));
 }
 
 // A row's vectors of span `s` of one output row: the sum over the terms i in
