@@ -41,7 +41,7 @@ RDNA4_COMM_ALLOW_SHARED_GPU=1 RDNA4_COMM_TEST_TRANSPORTS=dist OUT=$OUT/tests_dis
   tests/test_expert_layout.py -k dist_alone -rfE > $OUT/tests_dist_alone.txt 2>&1
 echo "dist alone rc=$? at $(el) s"; grep -E "passed|failed|FAILED|ERROR|skipped" $OUT/tests_dist_alone.txt | tail -4 | cut -c1-220
 if [ "${SANITIZE:-0}" = 1 ]; then
-  OUT=/tmp/san RDNA4_COMM_SKIP_BUILD=1 timeout 200 bash scripts/gpu_sanitize.sh > $OUT/sanitize.txt 2>&1
+  OUT=$OUT/san RDNA4_COMM_SKIP_BUILD=1 timeout 200 bash scripts/gpu_sanitize.sh > $OUT/sanitize.txt 2>&1
   echo "sanitize rc=$? at $(el) s"; grep -E "exit|SUMMARY|planted" $OUT/sanitize.txt | cut -c1-160
 fi
 bench head 1; bench base 1
