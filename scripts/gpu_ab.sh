@@ -9,7 +9,8 @@
 # SANITIZE=1, scripts/gpu_sanitize.sh of head; then
 # benchmarks/bench_kernels.py of head, base, base, head, each in its own
 # process, while the DEADLINE (seconds from the start) leaves room for one.
-# Summaries on stdout, everything under $OUT (default results/ab).
+# Summaries on stdout, everything under $OUT (default results/ab), packed
+# at the end into $OUT/logs.tar.gz (a device call returns at most 8 files).
 # Env: TESTS (default: tests/test_expert_layout.py tests/test_fp8_dispatch.py),
 #      TEST_JOBS (pytest-xdist workers, 2), TEST_TIMEOUT (s, 170),
 #      SANITIZE (0), BK_ROWS (bench_kernels rows; all if unset), DEADLINE (570).
@@ -48,3 +49,4 @@ bench head 1; bench base 1
 [ $(el) -lt $(( ${DEADLINE:-570} - 130 )) ] && bench base 2
 [ $(el) -lt $(( ${DEADLINE:-570} - 65 )) ] && bench head 2
 echo "done at $(el) s"
+(cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name logs.tar.gz -print0 | tar -czf logs.tar.gz --null -T - --remove-files)
