@@ -441,3 +441,40 @@ def test_ncu_stalls_cuts_a_kernel_at_its_barriers(tmp_path):
     assert re.search(r"0-2\s+95\s+95\.0%\s+48\s+BAR\.SYNC", out), out
     assert re.search(r"3-4\s+5\s+5\.0%\s+32\s+EXIT\s+long_sb 5", out), out
     assert "barrier 60" in out and "long_sb 35" in out
+    assert "instructions run at least once 5 of 6" in out
+
+
+def test_ncu_stalls_adds_the_samples_outside_barrier_waits_by_source_line(tmp_path):
+    # The page of the test above, and nvdisasm -g -c output holding that
+    # kernel (its opcodes, predicated or not) after one that is not it: the
+    # barrier's wait leaves the lines, the working warps' samples stay.
+    cols = ["Address", "Source", "# Samples", "Instructions Executed", "stall_barrier", "stall_long_sb",
+            "stall_no_instructions"]
+    ins = [("LDG.E R2, [R4]", 5, 16, 0, 0, 5), ("@P0 IADD3 R0, R2, 0x1", 30, 16, 0, 30, 0),
+           ("BAR.SYNC.DEFER_BLOCKING 0x0", 60, 16, 60, 0, 0), ("STG.E [R6], R0", 5, 16, 0, 5, 0)]
+    lines = ['"Kernel Name","void k(int)",', ",".join(f'"{c}"' for c in cols)]
+    lines += [",".join(f'"{v}"' for v in (f"0x{16 * n:x}", *row)) for n, row in enumerate(ins)]
+    page = tmp_path / "page.csv"
+    page.write_text("\n".join(lines) + "\n")
+    src = tmp_path / "k.cu"
+    src.write_text("int x = load();\nint y = x + 1;\n__syncthreads();\n")
+    sass = tmp_path / "k.sass"
+    sass.write_text("\n".join([
+        ".text._Z5otheri:", "        /*0000*/                   EXIT ;",
+        ".text._Z1ki:",
+        f'\t//## File "{src}", line 1', "        /*0000*/                   LDG.E R2, [R4] ;",
+        f'\t//## File "{src}", line 2', "        /*0010*/               @P0 IADD3 R0, R2, 0x1 ;",
+        f'\t//## File "{src}", line 3', "        /*0020*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;",
+        f'\t//## File "{src}", line 2', "        /*0030*/                   STG.E [R6], R0 ;", ""]))
+    r = run("benchmarks/ncu_stalls.py", str(page), "--lines", str(sass))
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert "outside barrier waits: samples 40, long_sb 35, no_instructions 5" in out, out
+    assert re.search(r"35\s+87\.5%\s+\S*k\.cu:2\s+int y = x \+ 1;\s+long_sb 35", out), out
+    assert re.search(r"5\s+12\.5%\s+\S*k\.cu:1\s+int x = load\(\);\s+no_instructions 5", out), out
+    assert "k.cu:3" not in out
+    # A SASS without the kernel says so.
+    other = tmp_path / "other.sass"
+    other.write_text(".text._Z5otheri:\n        /*0000*/                   EXIT ;\n")
+    r = run("benchmarks/ncu_stalls.py", str(page), "--lines", str(other))
+    assert r.returncode == 0 and "the SASS given does not hold this kernel" in r.stdout, r.stdout + r.stderr
