@@ -149,9 +149,7 @@ def report_lines(instructions: list[dict], functions: list[tuple[list[str], list
         reasons = stalls(ins)
         del reasons["barrier"]
         by_line.setdefault(where, Counter()).update(reasons)
-    total = Counter()
-    for c in by_line.values():
-        total.update(c)
+    total = sum(by_line.values(), Counter())
     n = sum(total.values())
     print(f"  outside barrier waits: samples {n}" + "".join(f", {k} {v}" for k, v in total.most_common()))
     if not n:

@@ -421,18 +421,23 @@ def test_auto_world_is_the_library_choice_for_one_process_per_gpu():
         resolve_world("nccl")
 
 
+def ncu_source_page(path, columns: list, instructions: list):
+    """ncu --page source --csv --print-source sass, in its recorded format:
+    a kernel-name line (void k(int)), the column names (Address, then
+    ``columns``), one line per instruction (its address, then its values)."""
+    lines = ['"Kernel Name","void k(int)",', ",".join(f'"{c}"' for c in ["Address", *columns])]
+    lines += [",".join(f'"{v}"' for v in (f"0x{16 * n:x}", *row)) for n, row in enumerate(instructions)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def test_ncu_stalls_cuts_a_kernel_at_its_barriers(tmp_path):
-    # ncu --page source --csv --print-source sass, in its recorded format: a
-    # kernel-name line, the column names, one line per instruction.
-    cols = ["Address", "Source", "# Samples", "Instructions Executed", "stall_barrier", "stall_long_sb",
+    cols = ["Source", "# Samples", "Instructions Executed", "stall_barrier", "stall_long_sb",
             "stall_barrier (Not Issued)"]
-    ins = [("LDG.E R2, [R4]", 5, 16, 0, 0), ("IADD3 R0, R2, 0x1", 30, 16, 0, 30),
-           ("BAR.SYNC.DEFER_BLOCKING 0x0", 60, 16, 60, 0), ("STG.E [R6], R0", 5, 16, 0, 5),
-           ("EXIT", 0, 16, 0, 0), ("BRA 0x0", 0, 0, 0, 0)]
-    lines = ['"Kernel Name","void k(int)",', ",".join(f'"{c}"' for c in cols)]
-    lines += [",".join(f'"{v}"' for v in (f"0x{16 * n:x}", src, s, e, b, l, 0)) for n, (src, s, e, b, l) in enumerate(ins)]
-    page = tmp_path / "page.csv"
-    page.write_text("\n".join(lines) + "\n")
+    ins = [("LDG.E R2, [R4]", 5, 16, 0, 0, 0), ("IADD3 R0, R2, 0x1", 30, 16, 0, 30, 0),
+           ("BAR.SYNC.DEFER_BLOCKING 0x0", 60, 16, 60, 0, 0), ("STG.E [R6], R0", 5, 16, 0, 5, 0),
+           ("EXIT", 0, 16, 0, 0, 0), ("BRA 0x0", 0, 0, 0, 0, 0)]
+    page = ncu_source_page(tmp_path / "page.csv", cols, ins)
     r = run("benchmarks/ncu_stalls.py", str(page), "--top", "2")
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
@@ -445,17 +450,13 @@ def test_ncu_stalls_cuts_a_kernel_at_its_barriers(tmp_path):
 
 
 def test_ncu_stalls_adds_the_samples_outside_barrier_waits_by_source_line(tmp_path):
-    # The page of the test above, and nvdisasm -g -c output holding that
-    # kernel (its opcodes, predicated or not) after one that is not it: the
+    # A page of one kernel, and nvdisasm -g -c output holding that kernel
+    # (its opcodes, predicated or not) after one that is not it: the
     # barrier's wait leaves the lines, the working warps' samples stay.
-    cols = ["Address", "Source", "# Samples", "Instructions Executed", "stall_barrier", "stall_long_sb",
-            "stall_no_instructions"]
+    cols = ["Source", "# Samples", "Instructions Executed", "stall_barrier", "stall_long_sb", "stall_no_instructions"]
     ins = [("LDG.E R2, [R4]", 5, 16, 0, 0, 5), ("@P0 IADD3 R0, R2, 0x1", 30, 16, 0, 30, 0),
            ("BAR.SYNC.DEFER_BLOCKING 0x0", 60, 16, 60, 0, 0), ("STG.E [R6], R0", 5, 16, 0, 5, 0)]
-    lines = ['"Kernel Name","void k(int)",', ",".join(f'"{c}"' for c in cols)]
-    lines += [",".join(f'"{v}"' for v in (f"0x{16 * n:x}", *row)) for n, row in enumerate(ins)]
-    page = tmp_path / "page.csv"
-    page.write_text("\n".join(lines) + "\n")
+    page = ncu_source_page(tmp_path / "page.csv", cols, ins)
     src = tmp_path / "k.cu"
     src.write_text("int x = load();\nint y = x + 1;\n__syncthreads();\n")
     sass = tmp_path / "k.sass"
