@@ -97,6 +97,20 @@ def test_large_batches_span_multi_token_chunks(world, tokens):
     check_round_trip(world, cfg, tokens, Ts, "random", True)
 
 
+def test_chunks_of_more_rows_than_a_block_prefetches_into_l1(world):
+    """Sender chunks of more bytes than a line per thread of the block
+    (block_prefetch_covers; 8 tokens of 8200 bytes at W = 2 on 132
+    multiprocessors) are not prefetched on the GPU, and each warp's piece of
+    them spans rows; rows of 8200 bytes move in 2-byte pieces, not 16-byte
+    vectors."""
+    from rdna4_comm import _C
+
+    assert not _C.testing.block_prefetch_covers(_C.testing.ep_own_block_tokens(600, 2, 132) * 4100 * 2)
+    W = world.size
+    cfg = ep_config(600, 4100, 8, 8 * W, torch.bfloat16)
+    check_round_trip(world, cfg, 3, [600 - 200 * (r % 2) for r in range(W)], "random", True)
+
+
 @SETTINGS
 @given(data=st.data())
 def test_matches_reference(world, data):

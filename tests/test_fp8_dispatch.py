@@ -86,6 +86,21 @@ def test_layouts_and_inputs(world, pair, layout):
     check(world, fp8_config(7, 300, 3, 2 * W, alignment=16), 11, [7, 0, 5, 2][:W], pair=pair, layout=layout)
 
 
+@pytest.mark.parametrize("pair", [False, True], ids=["quantised_in_op", "pair"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_chunks_of_more_rows_than_a_block_prefetches_into_l1(world, pair, dtype):
+    """Sender chunks past a line per thread (test_ep's test of that name; 16
+    tokens at W = 2, whose 4100-byte pair rows are past it too): each
+    quantising warp's piece spans rows and many passes of its loop, and a
+    last block of 4 channels (hidden 4100) gives lane units past the row's
+    channels."""
+    from rdna4_comm import _C
+
+    assert not _C.testing.block_prefetch_covers(_C.testing.ep_own_block_tokens(1200, 2, 132) * 4100)
+    W = world.size
+    check(world, fp8_config(1200, 4100, 4, 4 * W, dtype), 5, [1200 - 400 * (r % 2) for r in range(W)], pair=pair)
+
+
 @SETTINGS
 @given(data=st.data())
 def test_property(world, data):
