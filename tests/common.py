@@ -36,6 +36,19 @@ def examples(n: int) -> int:
     return max(5, int(n * float(os.environ.get("RDNA4_COMM_TEST_EXAMPLES", "1"))))
 
 
+# Multiprocessors of the H200 (and H100) the GPU kernels are measured on.
+H200_SMS = 132
+
+
+def sender_chunk_bytes(ntok: int, world: int, row_bytes: int, sms: int = H200_SMS) -> int:
+    """Bytes of input rows a GPU dispatch sender block takes (its chunk of
+    ep_own_block_tokens rows), for deciding whether a test's shape is past
+    the block's prefetch (block_prefetch_covers)."""
+    from rdna4_comm import _C
+
+    return _C.testing.ep_own_block_tokens(ntok, world, sms) * row_bytes
+
+
 # ------------------------------------------------------------------ EP inputs
 
 ROUTINGS = (

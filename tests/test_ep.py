@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from common import ROUTINGS, assert_bitwise, assert_dispatched, ep_inputs, examples, expert_fn, opcheck_dispatch, rand
+from common import (ROUTINGS, assert_bitwise, assert_dispatched, ep_inputs, examples, expert_fn, opcheck_dispatch, rand,
+                    sender_chunk_bytes)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -105,7 +106,7 @@ def test_chunks_of_more_rows_than_a_block_prefetches_into_l1(world):
     vectors."""
     from rdna4_comm import _C
 
-    assert not _C.testing.block_prefetch_covers(_C.testing.ep_own_block_tokens(600, 2, 132) * 4100 * 2)
+    assert not _C.testing.block_prefetch_covers(sender_chunk_bytes(600, 2, 4100 * 2))
     W = world.size
     cfg = ep_config(600, 4100, 8, 8 * W, torch.bfloat16)
     check_round_trip(world, cfg, 3, [600 - 200 * (r % 2) for r in range(W)], "random", True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from common import ROUTINGS, assert_bitwise, ep_inputs, examples, opcheck_dispatch
+from common import ROUTINGS, assert_bitwise, ep_inputs, examples, opcheck_dispatch, sender_chunk_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -96,7 +96,7 @@ def test_chunks_of_more_rows_than_a_block_prefetches_into_l1(world, pair, dtype)
     channels."""
     from rdna4_comm import _C
 
-    assert not _C.testing.block_prefetch_covers(_C.testing.ep_own_block_tokens(1200, 2, 132) * 4100)
+    assert not _C.testing.block_prefetch_covers(sender_chunk_bytes(1200, 2, 4100))
     W = world.size
     check(world, fp8_config(1200, 4100, 4, 4 * W, dtype), 5, [1200 - 400 * (r % 2) for r in range(W)], pair=pair)
 

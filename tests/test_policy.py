@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from rdna4_comm import _C
+from common import H200_SMS, sender_chunk_bytes
 
-H200_SMS = 132
+from rdna4_comm import _C
 
 
 @pytest.mark.parametrize("ntok", [0, 1, 7, 8, 127, 128, 129, 1000, 4096, 16384, 65536, 1 << 20])
@@ -91,12 +91,9 @@ def test_blocks_prefetch_only_rows_a_line_per_thread_covers():
         assert not _C.testing.block_prefetch_covers(nbytes), nbytes
 
     # bench_kernels' rows on an H200, bf16: T = 8 and 128 prefetch, T = 4096 does not.
-    def chunk_bytes(ntok, hidden):
-        return _C.testing.ep_own_block_tokens(ntok, 1, H200_SMS) * hidden * 2
-
-    assert _C.testing.block_prefetch_covers(chunk_bytes(8, 4096))
-    assert _C.testing.block_prefetch_covers(chunk_bytes(128, 7168))
-    assert not _C.testing.block_prefetch_covers(chunk_bytes(4096, 7168))
+    assert _C.testing.block_prefetch_covers(sender_chunk_bytes(8, 1, 4096 * 2))
+    assert _C.testing.block_prefetch_covers(sender_chunk_bytes(128, 1, 7168 * 2))
+    assert not _C.testing.block_prefetch_covers(sender_chunk_bytes(4096, 1, 7168 * 2))
 
 
 def test_combine_sums_with_the_short_loop_only_where_no_lane_has_more_vectors():
