@@ -76,6 +76,11 @@ def stalls(ins: dict) -> Counter:
                     if k.startswith("stall_") and "Not Issued" not in k and count(ins, k)})
 
 
+def reasons_text(reasons: Counter, most: Optional[int] = None) -> str:
+    """The `most` largest stall reasons (all by default), "reason count, ..."."""
+    return ", ".join(f"{k} {v}" for k, v in reasons.most_common(most))
+
+
 def report(name: str, instructions: list[dict], top: int) -> None:
     total = sum(count(i, "# Samples") for i in instructions)
     ran = sum(1 for i in instructions if count(i, "Instructions Executed"))
@@ -84,7 +89,7 @@ def report(name: str, instructions: list[dict], top: int) -> None:
           f"instructions run at least once {ran} of {len(instructions)}")
     if not total:
         return
-    print("  " + ", ".join(f"{k} {v}" for k, v in (sum((stalls(i) for i in instructions), Counter())).most_common()))
+    print("  " + reasons_text(sum((stalls(i) for i in instructions), Counter())))
     print(f"  {'instructions':>13} {'samples':>8} {'share':>6} {'executed':>9}  ends at / top stalls")
     start, piece, executed, reasons = 0, 0, 0, Counter()
     for n, ins in enumerate(instructions):
@@ -95,14 +100,14 @@ def report(name: str, instructions: list[dict], top: int) -> None:
         ends = count(ins, "Instructions Executed") and any(s in src for s in ("BAR.", "B2R", "EXIT"))
         if ends or n == len(instructions) - 1:
             if piece:
-                top3 = ", ".join(f"{k} {v}" for k, v in reasons.most_common(3))
-                print(f"  {start:>6}-{n:<6} {piece:>8} {piece / total:>6.1%} {executed:>9}  {src[:34]:34s} {top3}")
+                print(f"  {start:>6}-{n:<6} {piece:>8} {piece / total:>6.1%} {executed:>9}  {src[:34]:34s} "
+                      f"{reasons_text(reasons, 3)}")
             start, piece, executed, reasons = n + 1, 0, 0, Counter()
     print(f"  the {top} instructions with the most samples:")
     for n in sorted(sorted(range(len(instructions)), key=lambda n: -count(instructions[n], "# Samples"))[:top]):
         ins = instructions[n]
-        top3 = ", ".join(f"{k} {v}" for k, v in stalls(ins).most_common(3))
-        print(f"  {n:>6} {count(ins, '# Samples'):>8} {ins.get('Source', '').strip()[:60]:60s} {top3}")
+        print(f"  {n:>6} {count(ins, '# Samples'):>8} {ins.get('Source', '').strip()[:60]:60s} "
+              f"{reasons_text(stalls(ins), 3)}")
 
 
 def opcode(text: str) -> str:
@@ -158,9 +163,8 @@ def report_lines(instructions: list[dict], functions: list[tuple[list[str], list
     busy = [(where, c) for where, c in by_line.items() if sum(c.values())]
     for where, c in sorted(busy, key=lambda kv: -sum(kv[1].values()))[:top]:
         k = sum(c.values())
-        top3 = ", ".join(f"{r} {v}" for r, v in c.most_common(3))
         short = "/".join(where.split("/")[-2:])
-        print(f"  {k:>8} {k / n:>6.1%}  {short:34s} {source_text(where)[:60]:60s} {top3}")
+        print(f"  {k:>8} {k / n:>6.1%}  {short:34s} {source_text(where)[:60]:60s} {reasons_text(c, 3)}")
 
 
 def main(argv=None) -> int:
