@@ -43,11 +43,13 @@ RC_HD uint32_t fp8_amax_bits(uint32_t acc, float v) {
 }
 
 // The rule's FP8 byte of x / scale without a division per channel: with
-// inverse = 1 / scale (once per block, Fp8Divisor), q0 = |x| * inverse and
-// one correction by the remainder |x| - q0 * scale, which an FMA computes
-// exactly, give the correctly rounded |x| / scale (Markstein's correction
+// inverse = 1 / scale (once per block, Fp8Divisor), q0 = x * inverse and
+// one correction by the remainder x - q0 * scale, which an FMA computes
+// exactly, give the correctly rounded x / scale (Markstein's correction
 // step) wherever the remainder does not underflow, which covers every
-// quotient FP8 can tell from 0. x's sign goes on last, so -0 stays -0. An
+// quotient FP8 can tell from 0. Rounding to nearest is symmetric, so x
+// keeps its sign throughout; x's sign bit is ORed in last because the
+// correction of x = -0 sums to +0 (and -0 must stay -0). An
 // infinite scale (an infinite amax) takes FLT_MAX in the remainder, where
 // inf * 0 would make a NaN of x / inf = 0. The bytes equal those of the
 // IEEE quotient wherever the rule divides (|x| <= amax), a NaN's sign
@@ -63,9 +65,8 @@ RC_HD Fp8Divisor fp8_divisor(float scale) {
   return {scale < most ? scale : most, 1.0f / scale};
 }
 RC_HD float fp8_quotient(float x, const Fp8Divisor& d) {
-  const float mag = bits_float(float_bits(x) & 0x7fffffffu);
-  const float q0 = mag * d.inverse;
-  const float q = fma_rn(fma_rn(-q0, d.scale, mag), d.inverse, q0);
+  const float q0 = x * d.inverse;
+  const float q = fma_rn(fma_rn(-q0, d.scale, x), d.inverse, q0);
   return bits_float(float_bits(q) | (float_bits(x) & 0x80000000u));
 }
 

@@ -18,6 +18,12 @@
 #define RC_HD inline
 #endif
 
+// On a lambda (`[&](...) RC_INLINE_LAMBDA {...}`): always inlined. A device
+// lambda that a loop calls in several places, a row loop's per-row
+// callback, may otherwise be outlined by clang's HIP build into a call
+// whose frame lives in scratch memory.
+#define RC_INLINE_LAMBDA __attribute__((always_inline))
+
 // (The builtin: device code has no library memcpy.)
 RC_HD uint32_t float_bits(float f) {
   uint32_t u;

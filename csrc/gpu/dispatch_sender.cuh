@@ -311,11 +311,11 @@ struct DispatchSender {
     auto row_of = [&](int d) { return dest_row(at, d); };
     auto scales_of = [&](int d) { return dest_scales(at, d); };
     const uint32_t payload_dests = args.own_rows_stay ? token_dests & ~(1u << me) : token_dests;
-    if constexpr (kMode == kQuantizeFp8) {
-      quantize_fp8_row(x + tok * in_row_bytes, args.x_dtype, hidden, args.fp8_vectors, row_of, scales_of,
-                       payload_dests, s);
-    } else if (payload_dests != 0) {
-      if constexpr (kMode == kFp8Pair)
+    if (payload_dests != 0) {
+      if constexpr (kMode == kQuantizeFp8)
+        quantize_fp8_row(x + tok * in_row_bytes, args.x_dtype, hidden, args.fp8_vectors, row_of, scales_of,
+                         payload_dests, s);
+      else if constexpr (kMode == kFp8Pair)
         copy_row_and_scales<RowVector, true>(x + tok * in_row_bytes, args.x_scales + tok * scales_per_row,
                                              scales_per_row, row_of, scales_of, payload_dests, s);
       else copy_row<RowVector, true>(x + tok * in_row_bytes, row_of, payload_dests, s);
@@ -360,7 +360,7 @@ struct DispatchSender {
       }
       const int32_t batch = tokens.t1 - tb < kThreads ? tokens.t1 - tb : kThreads;
       const bool routing_warp = kMode == kRowsAsIs && dispatch_routing_warp(batch, topk);
-      auto row = [&](uint32_t r, const RowSpan& s) { send_row(tb, dests, r, s); };
+      auto row = [&](uint32_t r, const RowSpan& s) RC_INLINE_LAMBDA { send_row(tb, dests, r, s); };
       if (routing_warp) {
         for_row_pieces(row_pieces<kThreads - kMinWarpSize>(uint32_t(batch), units_per_row), units_per_row, row, false);
         send_batch_routing(tb, batch, dests);

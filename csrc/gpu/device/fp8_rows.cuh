@@ -41,8 +41,10 @@ RC_DEVICE uint32_t fp8_row_units(int64_t hidden, DType t) {
   return uint32_t(fp8_num_scales(hidden) * fp8_block_lanes(t));
 }
 
-// Blocks each lane has in flight in the FP8 row loops: 32 bytes of x.
+// Blocks a lane takes in a pass of the FP8 row loops, 32 bytes of x, and
+// the passes whose loads are in flight at once (quantize_fp8_span).
 constexpr int kFp8Unroll = 2;
+constexpr int kFp8PassesInFlight = 2;
 
 // The lane's U blocks in flight from its unit v0 of span s. A span's stride
 // is the warp's width (for_row_pieces), so block u is warp width / L blocks
@@ -131,23 +133,90 @@ RC_DEVICE void store_lane_bytes(uint8_t* q, const Fp8Blocks<kT, kWhole>& blocks,
   }
 }
 
+// Where a row's FP8 bytes and scales go at one destination.
+struct Fp8Dest {
+  uint8_t* q;
+  float* scales;
+};
+
+// One warp pass of quantize_fp8_span: the lane's U blocks from its unit
+// v0, loaded into `bits`, quantised by the FP8 rule and stored to `first`
+// and to q_of(d) and scales_of(d) for every rank d in `rest`. The amaxes
+// reduce together, then each destination's addresses serve all of the
+// blocks' stores.
+template <DType kT, bool kWhole, typename QOf, typename ScalesOf>
+RC_DEVICE void quantize_fp8_pass(const Fp8LaneBits<kT> (&bits)[kFp8Unroll], const Fp8Blocks<kT, kWhole>& blocks,
+                                 const Fp8Dest& first, QOf& q_of, ScalesOf& scales_of, uint32_t rest) {
+  constexpr int U = kFp8Unroll, C = kFp8LaneChannels<kT>;
+  float val[U][C];
+  uint32_t amax[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    lane_floats<kT>(bits[u], val[u]);
+    amax[u] = 0;
+#pragma unroll
+    for (int i = 0; i < C; ++i) amax[u] = fp8_amax_bits(amax[u], val[u][i]);
+  }
+  // Every lane of the warp runs the shuffles (a span ends on a block
+  // boundary), each within its block's lanes.
+#pragma unroll
+  for (int o = Fp8Blocks<kT, kWhole>::kLanes / 2; o > 0; o /= 2)
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const uint32_t other = uint32_t(warp_shfl_xor(int(amax[u]), o));
+      amax[u] = other > amax[u] ? other : amax[u];
+    }
+  float scale[U];
+  Fp8LaneBytes<kT> q[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    scale[u] = fp8_scale(bits_float(amax[u]));
+    const Fp8Divisor divisor = fp8_divisor(scale[u]);
+#pragma unroll
+    for (int w = 0; w < C / 4; ++w) {
+      float quot[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) quot[i] = fp8_quotient(val[u][4 * w + i], divisor);
+      q[u].w[w] = fp8x4_bits(quot);
+    }
+  }
+  auto store = [&](uint8_t* qd, float* sd) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (blocks.count(u) > 0) store_lane_bytes(qd, blocks, u, q[u]);
+    if (blocks.lead())
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (blocks.count(u) > 0) sd[blocks.block(u)] = scale[u];
+  };
+  store(first.q, first.scales);
+#pragma unroll 1
+  for (uint32_t m = rest; m != 0; m &= m - 1) {
+    const int d = lowest_bit(m);
+    store(reinterpret_cast<uint8_t*>(q_of(d)), blocks.lead() ? scales_of(d) : nullptr);
+  }
+}
+
 // The blocks of span `s` of token row x (H channels of dtype kT), quantised
-// by the FP8 rule; the bytes go to q_of(d) and the scales to scales_of(d)
-// for every rank d in `mask` (the same on every lane). U blocks at a time
-// (kFp8Unroll), and the next U blocks' loads are issued before these are
-// quantised: a warp's loads would otherwise wait for its arithmetic and its
-// arithmetic for its loads (the sender's registers allow one block per
-// multiprocessor). The amaxes reduce together, then each destination's row
-// and scales addresses (about 20 instructions each, from shared-memory
-// positions) serve all of the blocks' stores.
+// by the FP8 rule (quantize_fp8_pass) for every rank d in `mask` (the same
+// on every lane, not empty), U blocks a pass (kFp8Unroll). The first
+// destination's addresses (about 20 instructions each, from shared-memory
+// positions) are worked out once for the span; those of any others, in
+// each pass (a register pair each, which the loop cannot spare). P sets of registers
+// (kFp8PassesInFlight) take the passes in turn, and a set's next loads are
+// issued as soon as its pass is quantised: while the warp quantises one
+// pass, the next P - 1 passes' loads are in flight (the sender's registers
+// allow one block per multiprocessor, so a warp's own loads are what hides
+// their latency). A pass's bits are never moved between the sets: a move
+// would wait for the loads. A load past the span's end reads nothing
+// (count 0).
 template <DType kT, bool kWhole, typename QOf, typename ScalesOf>
 RC_DEVICE void quantize_fp8_span(const void* x, int64_t hidden, QOf q_of, ScalesOf scales_of, uint32_t mask,
                                  const RowSpan& s) {
-  constexpr int U = kFp8Unroll, C = kFp8LaneChannels<kT>;
+  constexpr int U = kFp8Unroll, P = kFp8PassesInFlight;
   using Blocks = Fp8Blocks<kT, kWhole>;
   const uint32_t step = s.stride * U;
-  Fp8LaneBits<kT> bits[U];
-  auto load = [&](uint32_t v0) {
+  auto load = [&](Fp8LaneBits<kT> (&bits)[U], uint32_t v0) {
     const Blocks blocks{v0, s.end, hidden};
 #pragma unroll
     for (int u = 0; u < U; ++u) bits[u] = load_lane<kT, kWhole>(x, blocks.first(u), blocks.count(u));
@@ -156,56 +225,19 @@ RC_DEVICE void quantize_fp8_span(const void* x, int64_t hidden, QOf q_of, Scales
   // takes every pass and its shuffles: a span may end after any whole
   // number of blocks, and the lanes past its end then hold none (count 0).
   const uint32_t warp_first = uint32_t(warp_shfl(int(s.first), 0)), lane = s.first - warp_first;
-  load(s.first);
-  for (uint32_t w0 = warp_first; w0 < s.end; w0 += step) {
-    const Blocks blocks{w0 + lane, s.end, hidden};
-    float val[U][C];
+  const int d0 = lowest_bit(mask);
+  const Fp8Dest first{reinterpret_cast<uint8_t*>(q_of(d0)), scales_of(d0)};
+  const uint32_t rest = mask & (mask - 1);
+  Fp8LaneBits<kT> sets[P][U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) lane_floats<kT>(bits[u], val[u]);
-    if (w0 + step < s.end) load(w0 + step + lane);
-    uint32_t amax[U];
+  for (int k = 0; k < P; ++k) load(sets[k], s.first + k * step);
+  for (uint32_t w0 = warp_first; w0 < s.end; w0 += P * step) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      amax[u] = 0;
-#pragma unroll
-      for (int i = 0; i < C; ++i) amax[u] = fp8_amax_bits(amax[u], val[u][i]);
-    }
-    // Every lane of the warp runs the shuffles (a span ends on a block
-    // boundary), each within its block's lanes.
-#pragma unroll
-    for (int o = Blocks::kLanes / 2; o > 0; o /= 2)
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const uint32_t other = uint32_t(warp_shfl_xor(int(amax[u]), o));
-        amax[u] = other > amax[u] ? other : amax[u];
-      }
-    float scale[U];
-    Fp8LaneBytes<kT> q[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      scale[u] = fp8_scale(bits_float(amax[u]));
-      const Fp8Divisor divisor = fp8_divisor(scale[u]);
-#pragma unroll
-      for (int w = 0; w < C / 4; ++w) {
-        float quot[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) quot[i] = fp8_quotient(val[u][4 * w + i], divisor);
-        q[u].w[w] = fp8x4_bits(quot);
-      }
-    }
-#pragma unroll 1
-    for (uint32_t m = mask; m != 0; m &= m - 1) {
-      const int d = lowest_bit(m);
-      uint8_t* qd = reinterpret_cast<uint8_t*>(q_of(d));
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (blocks.count(u) > 0) store_lane_bytes(qd, blocks, u, q[u]);
-      if (blocks.lead()) {
-        float* sd = scales_of(d);
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-          if (blocks.count(u) > 0) sd[blocks.block(u)] = scale[u];
-      }
+    for (int k = 0; k < P; ++k) {
+      const uint32_t v0 = w0 + k * step;  // the same on every lane
+      if (v0 >= s.end) break;
+      quantize_fp8_pass<kT, kWhole>(sets[k], Blocks{v0 + lane, s.end, hidden}, first, q_of, scales_of, rest);
+      load(sets[k], v0 + P * step + lane);
     }
   }
 }
