@@ -46,7 +46,7 @@ RC_DEVICE uint32_t fp8_row_units(int64_t hidden, DType t) {
 constexpr int kFp8Unroll = 2;
 constexpr int kFp8PassesInFlight = 2;
 
-// The lane's U blocks in flight from its unit v0 of span s. A span's stride
+// The lane's U blocks of a pass from its unit v0 of span s. A span's stride
 // is the warp's width (for_row_pieces), so block u is warp width / L blocks
 // past block u - 1, at the same place: block(u) is its index in the row,
 // the lane's first channel of it first(u) (a row's channels fit 32 bits:
@@ -139,8 +139,8 @@ struct Fp8Dest {
   float* scales;
 };
 
-// One warp pass of quantize_fp8_span: the lane's U blocks from its unit
-// v0, loaded into `bits`, quantised by the FP8 rule and stored to `first`
+// One warp pass of quantize_fp8_span: the lane's U blocks of `blocks`,
+// loaded into `bits`, quantised by the FP8 rule and stored to `first`
 // and to q_of(d) and scales_of(d) for every rank d in `rest`. The amaxes
 // reduce together, then each destination's addresses serve all of the
 // blocks' stores.
@@ -201,15 +201,15 @@ RC_DEVICE void quantize_fp8_pass(const Fp8LaneBits<kT> (&bits)[kFp8Unroll], cons
 // by the FP8 rule (quantize_fp8_pass) for every rank d in `mask` (the same
 // on every lane, not empty), U blocks a pass (kFp8Unroll). The first
 // destination's addresses (about 20 instructions each, from shared-memory
-// positions) are worked out once for the span; those of any others, in
-// each pass (a register pair each, which the loop cannot spare). P sets of registers
-// (kFp8PassesInFlight) take the passes in turn, and a set's next loads are
-// issued as soon as its pass is quantised: while the warp quantises one
-// pass, the next P - 1 passes' loads are in flight (the sender's registers
-// allow one block per multiprocessor, so a warp's own loads are what hides
-// their latency). A pass's bits are never moved between the sets: a move
-// would wait for the loads. A load past the span's end reads nothing
-// (count 0).
+// positions) are worked out once for the span; any other's in each pass,
+// as keeping every destination's would take up to 4 registers a rank.
+// P sets of registers (kFp8PassesInFlight) take the passes in turn, and a
+// set's next loads are issued as soon as its pass is quantised: while the
+// warp quantises one pass, the next P - 1 passes' loads are in flight (the
+// sender's registers allow one block per multiprocessor, so a warp's own
+// loads are what hides their latency). A pass's bits are never moved
+// between the sets: a move would wait for the loads. A load past the
+// span's end reads nothing (count 0).
 template <DType kT, bool kWhole, typename QOf, typename ScalesOf>
 RC_DEVICE void quantize_fp8_span(const void* x, int64_t hidden, QOf q_of, ScalesOf scales_of, uint32_t mask,
                                  const RowSpan& s) {
