@@ -1,6 +1,7 @@
 """The workload scripts/gpu_sanitize.sh runs under compute-sanitizer: every
-op once, small (dispatch and combine in both layouts), with W = 2 ranks on
-the GPU (sharing it where there is one),
+op once, small (dispatch and combine in both layouts; FP8 dispatch that
+quantises x in the op, rank layout, and of a (q, scales) pair, expert
+layout), with W = 2 ranks on the GPU (sharing it where there is one),
 eager and under graph replay, each result checked bitwise against
 rdna4_comm.reference (the fused op's `out` against its contract).
 
@@ -28,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import gpu_testing  # noqa: E402  (the testing extension, for --plant-oob)
 
 W, CAP, H, TOPK = 2, 16, 64, 2
+H8 = 256  # FP8 dispatch's rows: two whole scale blocks, the quantising loop's vector path
+FP8 = torch.float8_e4m3fn
 EXPERTS = 4 * W
 ALIGNMENT = 4  # the expert layout's: padding rows to write
 TIMEOUT_MS = 600_000  # the sanitizer slows kernels by orders of magnitude
@@ -70,12 +73,20 @@ def every_op(ctx: RankContext, plant: bool):
     comm = rc.Communicator(max_tokens_per_rank=CAP, hidden=H, topk=TOPK, num_experts=EXPERTS,
                            dtype=torch.bfloat16, allreduce_slot_bytes=SLOT, timeout_ms=TIMEOUT_MS,
                            expert_alignment=ALIGNMENT)
+    comm8 = rc.Communicator(max_tokens_per_rank=CAP, hidden=H8, topk=TOPK, num_experts=EXPERTS,
+                            dtype=torch.bfloat16, allreduce_slot_bytes=SLOT, timeout_ms=TIMEOUT_MS,
+                            expert_alignment=ALIGNMENT, dispatch_dtype=FP8)
     H2 = wide_hidden()
     x, idx, w = (t.to(dev) for t in ep_inputs(r, 1, 11))
     a1, a2 = tensor(2, r, AR_ONE_SHOT, torch.float32).to(dev), tensor(3, r, AR_TWO_SHOT, torch.float32).to(dev)
     f1, f2 = tensor(4, r, (3, H)).to(dev), tensor(5, r, (3, H2)).to(dev)
     residual1, residual2 = tensor(6, 0, (3, H)).to(dev), tensor(7, 0, (3, H2)).to(dev)
     weight1, weight2 = tensor(8, 0, (H,)).to(dev), tensor(9, 0, (H2,)).to(dev)
+    x8 = tensor(10, r, (11, H8)).to(dev)
+    pair8 = rc.quantize_fp8(x8)
+
+    def fp8_bytes(d):  # FP8 storages do not pickle; their bytes do
+        return d._replace(x=d.x.view(torch.uint8))
 
     def step():
         d = comm.dispatch(x, idx, w)
@@ -84,7 +95,9 @@ def every_op(ctx: RankContext, plant: bool):
         out_e = comm.combine(e.x * 2, e.handle)
         fused1 = comm.all_reduce_rmsnorm(f1, residual1, weight1, EPS)
         fused2 = comm.all_reduce_rmsnorm(f2, residual2, weight2, EPS)
-        return d, out, e, out_e, comm.all_reduce(a1), comm.all_reduce(a2), fused1, fused2
+        q = fp8_bytes(comm8.dispatch(x8, idx, w))
+        q_e = fp8_bytes(comm8.dispatch(pair8, idx, w, layout="expert"))
+        return d, out, e, out_e, q, q_e, comm.all_reduce(a1), comm.all_reduce(a2), fused1, fused2
 
     eager = step()
     torch.cuda.synchronize()
@@ -99,6 +112,7 @@ def every_op(ctx: RankContext, plant: bool):
         gpu_testing.load().store_out_of_bounds(dev.index)
     torch.cuda.synchronize()
     comm.close()
+    comm8.close()
     return eager, replays, H2
 
 
@@ -110,13 +124,19 @@ def check(per_rank) -> None:
     ref_e = reference.dispatch(list(xs), list(idxs), list(ws), num_experts=EXPERTS, max_tokens_per_rank=CAP,
                                layout="expert", expert_alignment=ALIGNMENT)
     ref_e_out = reference.combine([ref_e[r].x * 2 for r in range(W)], ref_e)
+    x8s = [tensor(10, r, (11, H8)) for r in range(W)]
+    ref_q = reference.dispatch(x8s, list(idxs), list(ws), num_experts=EXPERTS, max_tokens_per_rank=CAP,
+                               dispatch_dtype=FP8)
+    ref_q_e = reference.dispatch(x8s, list(idxs), list(ws), num_experts=EXPERTS, max_tokens_per_rank=CAP,
+                                 layout="expert", expert_alignment=ALIGNMENT, dispatch_dtype=FP8)
     sums = [reference.all_reduce([tensor(s, r, shape, torch.float32) for r in range(W)])
             for s, shape in ((2, AR_ONE_SHOT), (3, AR_TWO_SHOT))]
     fused_inputs = [(4, 6, 8, (3, H)), (5, 7, 9, (3, H2))]
     for r in range(W):
         eager, replays, _ = per_rank[r]
-        for what, (d, out, e, out_e, s1, s2, *fused) in [("eager", eager)] + [(f"replay {i}", p) for i, p in enumerate(replays)]:
+        for what, (d, out, e, out_e, q, q_e, s1, s2, *fused) in [("eager", eager)] + [(f"replay {i}", p) for i, p in enumerate(replays)]:
             n = int(ref_e[r].expert_offsets[-1])  # expert rows past it are unspecified
+            nq, nq_e = int(ref_q[r].counts.sum()), int(ref_q_e[r].expert_offsets[-1])
             for name, got, want in (("dispatch x", received_rows(d), received_rows(ref[r])), ("dispatch counts", d.counts, ref[r].counts),
                                     ("combine", out, ref_out[r]),
                                     ("expert layout x", e.x[:n], ref_e[r].x[:n]),
@@ -124,6 +144,11 @@ def check(per_rank) -> None:
                                     ("expert layout offsets", e.expert_offsets, ref_e[r].expert_offsets),
                                     ("expert_rows_of", e.handle.expert_rows_of, ref_e[r].handle.expert_rows_of),
                                     ("combine of the expert layout", out_e, ref_e_out[r]),
+                                    ("FP8 dispatch x", q.x[:nq], ref_q[r].x[:nq].view(torch.uint8)),
+                                    ("FP8 dispatch x_scales", q.x_scales[:nq], ref_q[r].x_scales[:nq]),
+                                    ("FP8 pair, expert layout x", q_e.x[:nq_e], ref_q_e[r].x[:nq_e].view(torch.uint8)),
+                                    ("FP8 pair, expert layout x_scales", q_e.x_scales[:nq_e], ref_q_e[r].x_scales[:nq_e]),
+                                    ("FP8 pair, expert layout offsets", q_e.expert_offsets, ref_q_e[r].expert_offsets),
                                     ("all_reduce one-shot", s1, sums[0]), ("all_reduce two-shot", s2, sums[1])):
                 assert_same(got, want, f"rank {r} {what}: {name} against rdna4_comm.reference")
             for (out_f, residual_out), (xs_seed, res_seed, w_seed, shape) in zip(fused, fused_inputs):
@@ -143,7 +168,8 @@ def main(argv=None) -> int:
     with ProcessWorld(W, gpu_rank) as world:
         per_rank = world.call(every_op, {r: (args.plant_oob,) for r in range(W)})
     check(per_rank)
-    print(f"sanitize_ops: every op checked on {W} ranks (eager and 2 graph replays), the fused op one_stage "
+    print(f"sanitize_ops: every op checked on {W} ranks (eager and 2 graph replays), FP8 dispatch quantised "
+          f"and of a pair, the fused op one_stage "
           f"and all_reduce_then_norm (H = {per_rank[0][2]})"
           + (", planted out-of-bounds store made by rank 1" if args.plant_oob else ""))
     return 0
