@@ -10,7 +10,8 @@
 # benchmarks/bench_kernels.py of head, base, base, head, each in its own
 # process, while the DEADLINE (seconds from the start) leaves room for one.
 # Summaries on stdout, everything under $OUT (default results/ab), packed
-# at the end into $OUT/logs.tar.gz (a device call returns at most 8 files).
+# into $OUT/logs.tar.gz on exit, also when a `timeout` around the script
+# stops it (a device call returns at most 8 files).
 # Env: TESTS (default: tests/test_expert_layout.py tests/test_fp8_dispatch.py),
 #      TEST_JOBS (pytest-xdist workers, 2), TEST_TIMEOUT (s, 170),
 #      SANITIZE (0), BK_ROWS (bench_kernels rows; all if unset), DEADLINE (570).
@@ -22,6 +23,9 @@ OUT=$(realpath -m "${OUT:-results/ab}")
 mkdir -p "$OUT"
 [ -f "$ROOT/.before/base/setup.py" ] || { echo "gpu_ab.sh: no base tree under .before/base (see the header)"; exit 2; }
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+pack() { (cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name logs.tar.gz -print0 | tar -czf logs.tar.gz --null -T - --remove-files); }
+trap pack EXIT
+trap 'echo "stopped at $(el) s"; exit 143' TERM INT
 dir_of() { if [ $1 = head ]; then echo $ROOT; else echo $ROOT/.before/$1; fi; }
 nvidia-smi --query-gpu=name --format=csv,noheader
 for t in head base; do
@@ -49,4 +53,3 @@ bench head 1; bench base 1
 [ $(el) -lt $(( ${DEADLINE:-570} - 130 )) ] && bench base 2
 [ $(el) -lt $(( ${DEADLINE:-570} - 65 )) ] && bench head 2
 echo "done at $(el) s"
-(cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name logs.tar.gz -print0 | tar -czf logs.tar.gz --null -T - --remove-files)
