@@ -21,7 +21,7 @@ import torch
 import rdna4_comm as rc
 from rdna4_comm import reference
 from rdna4_comm.reference import assert_rmsnorm_within_contract
-from rdna4_comm._checks import assert_same, received_rows
+from rdna4_comm._checks import assert_dispatched, assert_expert_dispatched, assert_same, received_rows
 from rdna4_comm._launch import Member, ProcessWorld, to_cpu
 from rdna4_comm._ranks import RankContext
 
@@ -68,14 +68,17 @@ def wide_hidden() -> int:
 AR_ONE_SHOT, AR_TWO_SHOT = (5, 100), (300_000,)  # fp32: below and above the one-shot bound
 
 
+def fp8_bytes(d):
+    """A dispatch result with its FP8 x as bytes: FP8 storages do not pickle."""
+    return d._replace(x=d.x.view(torch.uint8))
+
+
 def every_op(ctx: RankContext, plant: bool):
     dev, r = ctx.device, ctx.rank
-    comm = rc.Communicator(max_tokens_per_rank=CAP, hidden=H, topk=TOPK, num_experts=EXPERTS,
-                           dtype=torch.bfloat16, allreduce_slot_bytes=SLOT, timeout_ms=TIMEOUT_MS,
-                           expert_alignment=ALIGNMENT)
-    comm8 = rc.Communicator(max_tokens_per_rank=CAP, hidden=H8, topk=TOPK, num_experts=EXPERTS,
-                            dtype=torch.bfloat16, allreduce_slot_bytes=SLOT, timeout_ms=TIMEOUT_MS,
-                            expert_alignment=ALIGNMENT, dispatch_dtype=FP8)
+    config = dict(max_tokens_per_rank=CAP, topk=TOPK, num_experts=EXPERTS, dtype=torch.bfloat16,
+                  allreduce_slot_bytes=SLOT, timeout_ms=TIMEOUT_MS, expert_alignment=ALIGNMENT)
+    comm = rc.Communicator(hidden=H, **config)
+    comm8 = rc.Communicator(hidden=H8, dispatch_dtype=FP8, **config)
     H2 = wide_hidden()
     x, idx, w = (t.to(dev) for t in ep_inputs(r, 1, 11))
     a1, a2 = tensor(2, r, AR_ONE_SHOT, torch.float32).to(dev), tensor(3, r, AR_TWO_SHOT, torch.float32).to(dev)
@@ -84,9 +87,6 @@ def every_op(ctx: RankContext, plant: bool):
     weight1, weight2 = tensor(8, 0, (H,)).to(dev), tensor(9, 0, (H2,)).to(dev)
     x8 = tensor(10, r, (11, H8)).to(dev)
     pair8 = rc.quantize_fp8(x8)
-
-    def fp8_bytes(d):  # FP8 storages do not pickle; their bytes do
-        return d._replace(x=d.x.view(torch.uint8))
 
     def step():
         d = comm.dispatch(x, idx, w)
@@ -136,7 +136,6 @@ def check(per_rank) -> None:
         eager, replays, _ = per_rank[r]
         for what, (d, out, e, out_e, q, q_e, s1, s2, *fused) in [("eager", eager)] + [(f"replay {i}", p) for i, p in enumerate(replays)]:
             n = int(ref_e[r].expert_offsets[-1])  # expert rows past it are unspecified
-            nq, nq_e = int(ref_q[r].counts.sum()), int(ref_q_e[r].expert_offsets[-1])
             for name, got, want in (("dispatch x", received_rows(d), received_rows(ref[r])), ("dispatch counts", d.counts, ref[r].counts),
                                     ("combine", out, ref_out[r]),
                                     ("expert layout x", e.x[:n], ref_e[r].x[:n]),
@@ -144,13 +143,12 @@ def check(per_rank) -> None:
                                     ("expert layout offsets", e.expert_offsets, ref_e[r].expert_offsets),
                                     ("expert_rows_of", e.handle.expert_rows_of, ref_e[r].handle.expert_rows_of),
                                     ("combine of the expert layout", out_e, ref_e_out[r]),
-                                    ("FP8 dispatch x", q.x[:nq], ref_q[r].x[:nq].view(torch.uint8)),
-                                    ("FP8 dispatch x_scales", q.x_scales[:nq], ref_q[r].x_scales[:nq]),
-                                    ("FP8 pair, expert layout x", q_e.x[:nq_e], ref_q_e[r].x[:nq_e].view(torch.uint8)),
-                                    ("FP8 pair, expert layout x_scales", q_e.x_scales[:nq_e], ref_q_e[r].x_scales[:nq_e]),
-                                    ("FP8 pair, expert layout offsets", q_e.expert_offsets, ref_q_e[r].expert_offsets),
                                     ("all_reduce one-shot", s1, sums[0]), ("all_reduce two-shot", s2, sums[1])):
                 assert_same(got, want, f"rank {r} {what}: {name} against rdna4_comm.reference")
+            assert_dispatched(q, fp8_bytes(ref_q[r]), f"rank {r} {what}: FP8 dispatch")
+            assert_expert_dispatched(q_e, fp8_bytes(ref_q_e[r]), f"rank {r} {what}: FP8 pair, expert layout")
+            nq_e = int(ref_q_e[r].expert_offsets[-1])  # scales of the rows below it
+            assert_same(q_e.x_scales[:nq_e], ref_q_e[r].x_scales[:nq_e], f"rank {r} {what}: FP8 pair, expert layout x_scales")
             for (out_f, residual_out), (xs_seed, res_seed, w_seed, shape) in zip(fused, fused_inputs):
                 residual, weight = tensor(res_seed, 0, shape), tensor(w_seed, 0, shape[-1:])
                 _, want_residual = reference.all_reduce_rmsnorm(
