@@ -98,14 +98,18 @@ def assert_dispatched(actual, expected, what: str = "", cols: Optional[int] = No
 def assert_expert_dispatched(actual, expected, what: str = "") -> None:
     """Every field of an ExpertDispatched and of its handle bitwise equal to
     the expected one (rdna4_comm.reference.dispatch with layout="expert"):
-    x and the weights on the rows below expert_offsets[-1] (the rows past it
-    are unspecified), the expert counts and offsets whole."""
+    x, the weights and an FP8 dispatch's scales on the rows below
+    expert_offsets[-1] (the rows past it are unspecified), the expert counts
+    and offsets whole."""
     assert isinstance(actual, ExpertDispatched), f"{what}: {type(actual).__name__}, not an ExpertDispatched"
     assert_same(actual.expert_counts, expected.expert_counts, f"{what} expert_counts")
     assert_same(actual.expert_offsets, expected.expert_offsets, f"{what} expert_offsets")
     assert actual.x.shape == expected.x.shape, f"{what} x: shape {tuple(actual.x.shape)} != {tuple(expected.x.shape)}"
     n = min(int(expected.expert_offsets[-1]), expected.x.shape[0])
     assert_same(actual.x[:n], expected.x[:n], f"{what} x")
+    assert (actual.x_scales is None) == (expected.x_scales is None), f"{what}: x_scales of FP8 dispatch only"
+    if expected.x_scales is not None:
+        assert_same(actual.x_scales[:n], expected.x_scales[:n], f"{what} x_scales")
     if expected.topk_weights is None:
         assert actual.topk_weights is None, f"{what}: weights returned without weights given"
     else:
