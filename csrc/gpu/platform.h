@@ -192,7 +192,16 @@ RC_DEVICE int warp_size() { return warpSize; }
 #else
 RC_DEVICE constexpr int warp_size() { return 32; }
 #endif
-RC_DEVICE int lane_id() { return int(threadIdx.x) & (warp_size() - 1); }
+// The lane within the warp (the kernels' blocks are one-dimensional). On
+// HIP the wave's own lane count (mbcnt), not threadIdx, whose read is a
+// call into the device library until that is linked.
+RC_DEVICE int lane_id() {
+#ifdef RC_HIP
+  return int(__lane_id());
+#else
+  return int(threadIdx.x) & (warp_size() - 1);
+#endif
+}
 RC_DEVICE uint64_t warp_ballot(bool pred) {
 #ifdef RC_HIP
   return uint64_t(__ballot(pred));
