@@ -119,16 +119,17 @@ def every_op(ctx: RankContext, plant: bool):
 def check(per_rank) -> None:
     H2 = per_rank[0][2]
     xs, idxs, ws = zip(*(ep_inputs(r, 1, 11) for r in range(W)))
-    ref = reference.dispatch(list(xs), list(idxs), list(ws), num_experts=EXPERTS, max_tokens_per_rank=CAP)
+
+    def ref_dispatch(rows, **options):  # the ranks' routing, as every_op's calls take it
+        return reference.dispatch(list(rows), list(idxs), list(ws), num_experts=EXPERTS, max_tokens_per_rank=CAP,
+                                  **options)
+
+    expert = dict(layout="expert", expert_alignment=ALIGNMENT)
+    ref, ref_e = ref_dispatch(xs), ref_dispatch(xs, **expert)
     ref_out = reference.combine([ref[r].x * 2 for r in range(W)], ref)
-    ref_e = reference.dispatch(list(xs), list(idxs), list(ws), num_experts=EXPERTS, max_tokens_per_rank=CAP,
-                               layout="expert", expert_alignment=ALIGNMENT)
     ref_e_out = reference.combine([ref_e[r].x * 2 for r in range(W)], ref_e)
     x8s = [tensor(10, r, (11, H8)) for r in range(W)]
-    ref_q = reference.dispatch(x8s, list(idxs), list(ws), num_experts=EXPERTS, max_tokens_per_rank=CAP,
-                               dispatch_dtype=FP8)
-    ref_q_e = reference.dispatch(x8s, list(idxs), list(ws), num_experts=EXPERTS, max_tokens_per_rank=CAP,
-                                 layout="expert", expert_alignment=ALIGNMENT, dispatch_dtype=FP8)
+    ref_q, ref_q_e = ref_dispatch(x8s, dispatch_dtype=FP8), ref_dispatch(x8s, dispatch_dtype=FP8, **expert)
     sums = [reference.all_reduce([tensor(s, r, shape, torch.float32) for r in range(W)])
             for s, shape in ((2, AR_ONE_SHOT), (3, AR_TWO_SHOT))]
     fused_inputs = [(4, 6, 8, (3, H)), (5, 7, 9, (3, H2))]
