@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(kThreads) expert_tally_kernel(ExpertLayoutArgs
   // counts last has seen every other count, and its loads of the masks
   // follow its own fence. No block waits for another, so the grid needs
   // no co-residency.
-  __threadfence();
+  device_fence();
   block_sync();
   if (threadIdx.x == 0) {
     last = atomicAdd(a.tally_done, 1u) == gridDim.x - 1;
@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(kThreads) expert_tally_kernel(ExpertLayoutArgs
   }
   block_sync();
   if (!last) return;
-  __threadfence();
+  device_fence();
   expert_offsets(a, chunks, warp_tot);
 }
 
