@@ -7,8 +7,8 @@
 // figures would then be those of a build that no ROCm install makes. A ROCm
 // build links the library and inlines them to the same builtins and
 // implicit-argument loads (code object v5: block counts at byte 0, group
-// sizes at 12, remainders at 18). Force-included after clang's HIP runtime
-// wrapper, which declares them.
+// sizes at 12, remainders at 18). Force-included ahead of each source: HIP's
+// headers declare the four later, and these definitions serve them.
 #pragma once
 
 namespace rdna4_comm_hip_check {

@@ -3,9 +3,11 @@
 Device: the kernels compile for RDNA4 (gfx1201), RDNA3 (gfx1100) and CDNA3
 (gfx942), and the gfx1201 code keeps the protocol's promises: flags are
 published with system-scope stores, every spin sleeps, no atomic reaches
-beyond the device (no peer atomics), waves are 32 lanes wide, and nothing
-spills to scratch. Every .cu file (one per op family, and the testing
-extension's test kernels) is checked on its own.
+beyond the device (no peer atomics), waves are 32 lanes wide, nothing
+spills to scratch, and no kernel makes a call (the device library's
+work-item ids inlined as a ROCm build inlines them: hip_work_item_ids.h).
+Every .cu file (one per op family, and the testing extension's test
+kernels) is checked on its own.
 Needs clang++-19 and HIP headers (Debian: clang-19 libamdhip64-dev).
 
 Host: every file that calls the CUDA/HIP runtime (the kernels' launchers in
