@@ -20,10 +20,6 @@ struct ImplicitArgs {
 __device__ __attribute__((always_inline)) inline const ImplicitArgs* implicit_args() {
   return reinterpret_cast<const ImplicitArgs*>(__builtin_amdgcn_implicitarg_ptr());
 }
-__device__ __attribute__((always_inline)) inline uint32_t group_id(unsigned int dim) {
-  return dim == 0 ? __builtin_amdgcn_workgroup_id_x()
-                  : (dim == 1 ? __builtin_amdgcn_workgroup_id_y() : __builtin_amdgcn_workgroup_id_z());
-}
 }  // namespace rdna4_comm_hip_check
 
 extern "C" __device__ __attribute__((always_inline)) size_t __ockl_get_local_id(unsigned int dim) {
@@ -32,13 +28,14 @@ extern "C" __device__ __attribute__((always_inline)) size_t __ockl_get_local_id(
 }
 
 extern "C" __device__ __attribute__((always_inline)) size_t __ockl_get_group_id(unsigned int dim) {
-  return rdna4_comm_hip_check::group_id(dim);
+  return dim == 0 ? __builtin_amdgcn_workgroup_id_x()
+                  : (dim == 1 ? __builtin_amdgcn_workgroup_id_y() : __builtin_amdgcn_workgroup_id_z());
 }
 
 // The last group along a dimension may be partial: its size is the remainder.
 extern "C" __device__ __attribute__((always_inline)) size_t __ockl_get_local_size(unsigned int dim) {
   const rdna4_comm_hip_check::ImplicitArgs* a = rdna4_comm_hip_check::implicit_args();
-  return rdna4_comm_hip_check::group_id(dim) < a->block_count[dim] ? a->group_size[dim] : a->remainder[dim];
+  return __ockl_get_group_id(dim) < a->block_count[dim] ? a->group_size[dim] : a->remainder[dim];
 }
 
 extern "C" __device__ __attribute__((always_inline)) size_t __ockl_get_num_groups(unsigned int dim) {

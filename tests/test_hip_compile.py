@@ -254,14 +254,17 @@ def test_no_scratch_on_rdna4(gfx1201_asm, source):
     assert sizes and all(int(n) == 0 for n in sizes), sizes
 
 
+# The callee of a call's address computation in gfx1201 assembly.
+CALLEE = re.compile(r"s_add_co_u32\s+s\d+, s\d+, (\w+)@rel32@lo")
+
+
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
 def test_no_calls_on_rdna4(gfx1201_asm, source):
     # The kernels spell what they need with builtins (platform.h): a call is
     # a device-library function that the compile above leaves undefined, so
     # the registers and scratch checked here would not be a ROCm build's.
     for name, body in kernels(gfx1201_asm[source.name]).items():
-        callees = re.findall(r"s_add_co_u32\s+s\d+, s\d+, (\w+)@rel32@lo", body)
-        assert "s_swappc_b64" not in body, f"{name}: calls {sorted(set(callees))}"
+        assert "s_swappc_b64" not in body, f"{name}: calls {sorted(set(CALLEE.findall(body)))}"
 
 
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
