@@ -64,10 +64,14 @@ RC_HD Fp8Divisor fp8_divisor(float scale) {
   const float most = 3.40282347e38f;
   return {scale < most ? scale : most, 1.0f / scale};
 }
-RC_HD float fp8_quotient(float x, const Fp8Divisor& d) {
+// fp8_quotient but +0 for x = -0, for a caller that restores x's sign on
+// the FP8 bytes (the GPU's quantising loop: one byte permute for four).
+RC_HD float fp8_quotient_unsigned_zero(float x, const Fp8Divisor& d) {
   const float q0 = x * d.inverse;
-  const float q = fma_rn(fma_rn(-q0, d.scale, x), d.inverse, q0);
-  return bits_float(float_bits(q) | (float_bits(x) & 0x80000000u));
+  return fma_rn(fma_rn(-q0, d.scale, x), d.inverse, q0);
+}
+RC_HD float fp8_quotient(float x, const Fp8Divisor& d) {
+  return bits_float(float_bits(fp8_quotient_unsigned_zero(x, d)) | (float_bits(x) & 0x80000000u));
 }
 
 // float -> float8_e4m3fn bits, round to nearest even. NaN -> 0x7f with the

@@ -1,12 +1,13 @@
 // The FP8 byte of fp8.h's fp8_quotient against that of the IEEE quotient x /
-// scale of the FP8 rule (a NaN's sign aside), wherever the rule divides (|x|
-// <= amax of the block, scale = fp8_scale(amax)): exhaustively for bf16 and
-// fp16 x and amax, and for fp32 x at random and next to every FP8 rounding
-// boundary; and fp8_scale against the IEEE quotient max(amax, floor) / 448
-// on every non-negative fp32 amax (case "scale": x is 0). Prints one line
-// per case, "<case> <pairs> <mismatches> <first x bits> <first amax bits>
-// <quotients that differ>", and exits 1 on any mismatch. Built and run by
-// tests/test_fp8.py.
+// scale of the FP8 rule (a NaN's sign aside), and bit for bit against the byte
+// of fp8_quotient_unsigned_zero with x's sign bit ORed in (the GPU's
+// quantising loop), wherever the rule divides (|x| <= amax of the block, scale
+// = fp8_scale(amax)): exhaustively for bf16 and fp16 x and amax, and for fp32
+// x at random and next to every FP8 rounding boundary; and fp8_scale against
+// the IEEE quotient max(amax, floor) / 448 on every non-negative fp32 amax
+// (case "scale": x is 0). Prints one line per case, "<case> <pairs>
+// <mismatches> <first x bits> <first amax bits> <quotients that differ>", and
+// exits 1 on any mismatch. Built and run by tests/test_fp8.py.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -39,10 +40,14 @@ struct Tally {
   uint64_t pairs = 0, mismatches = 0, other_quotients = 0;
   uint32_t first_x = 0, first_amax = 0;
   void check(float x, float amax, uint32_t xb, uint32_t ab) {
-    const float scale = fp8_scale(amax), mine = fp8_quotient(x, fp8_divisor(scale)), ieee = x / scale;
+    const float scale = fp8_scale(amax), ieee = x / scale;
+    const Fp8Divisor divisor = fp8_divisor(scale);
+    const float mine = fp8_quotient(x, divisor);
+    // The GPU's loop: x's sign bit put on the byte of the quotient whose -0 is +0.
+    const uint8_t signed_after = uint8_t(fp8_e4m3fn_bits(fp8_quotient_unsigned_zero(x, divisor)) | ((float_bits(x) >> 24) & 0x80u));
     ++pairs;
     if (float_bits(mine) != float_bits(ieee) && !(mine != mine && ieee != ieee)) ++other_quotients;
-    if (!same_byte(mine, ieee) && mismatches++ == 0) {
+    if ((!same_byte(mine, ieee) || signed_after != fp8_e4m3fn_bits(mine)) && mismatches++ == 0) {
       first_x = xb;
       first_amax = ab;
     }

@@ -139,12 +139,14 @@ def test_the_device_conversion_is_fp8h_on_every_pattern(testing_extension):
 
 
 def test_the_division_free_quotient_gives_the_ieee_quotients_bytes(tmp_path):
-    """fp8.h's fp8_quotient (a reciprocal per block and an FMA correction,
-    what the CPU transport and the kernels run) gives the FP8 byte of the
-    IEEE quotient x / scale wherever the rule divides: every bf16 and fp16 x
-    against the scale of every bf16 and fp16 amax (about 2^30 pairs each),
-    fp32 x at random and next to every FP8 rounding boundary; and fp8_scale
-    (a product and an FMA correction) is the IEEE quotient amax / 448 on
+    """fp8.h's fp8_quotient (a reciprocal per block and an FMA
+    correction, what the CPU transport runs) gives the FP8 byte of the
+    IEEE quotient x / scale wherever the rule divides, and the kernels'
+    form of it (fp8_quotient_unsigned_zero, x's sign bit ORed into the
+    byte) the same byte bit for bit: every bf16 and fp16 x against the
+    scale of every bf16 and fp16 amax (about 2^30 pairs each), fp32 x at
+    random and next to every FP8 rounding boundary; and fp8_scale (a
+    product and an FMA correction) is the IEEE quotient amax / 448 on
     every non-negative fp32 amax."""
     import shutil
     import subprocess

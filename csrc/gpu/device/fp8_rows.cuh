@@ -50,8 +50,9 @@ constexpr int kFp8PassesInFlight = 2;
 // is the warp's width (for_row_pieces), so block u is warp width / L blocks
 // past block u - 1, at the same place: block(u) is its index in the row,
 // the lane's first channel of it first(u) (a row's channels fit 32 bits:
-// its bytes do, rows.cuh), the lane's channels of it below H count(u), and
-// the block's first lane (lead) stores its scale. Each is worked out from
+// its bytes do, rows.cuh), whether it is in the span in_span(u) (the same
+// on each lane of the block: a span ends after whole blocks), and the
+// lane's channels of it below H count(u). Each is worked out from
 // v0 where it is used: a few instructions, where keeping them across the
 // loop's body took registers that the sender's routing then spilled.
 // kWhole (the host's fp8_vectors): every block of the span is whole, so a
@@ -63,12 +64,11 @@ struct Fp8Blocks {
   uint32_t v0, end;
   int64_t hidden;
   RC_DEVICE uint32_t block(int u) const { return (v0 + uint32_t(u) * uint32_t(warp_size())) / kLanes; }
-  RC_DEVICE bool lead() const { return v0 % kLanes == 0; }
   RC_DEVICE uint32_t first(int u) const { return block(u) * uint32_t(kFp8Block) + v0 % kLanes * kChannels; }
+  RC_DEVICE bool in_span(int u) const { return v0 + uint32_t(u) * uint32_t(warp_size()) < end; }
   RC_DEVICE int count(int u) const {
-    const bool in_span = v0 + uint32_t(u) * uint32_t(warp_size()) < end;
-    if constexpr (kWhole) return in_span ? int(kChannels) : 0;
-    const int64_t left = in_span ? hidden - int64_t(first(u)) : 0;
+    if constexpr (kWhole) return in_span(u) ? int(kChannels) : 0;
+    const int64_t left = in_span(u) ? hidden - int64_t(first(u)) : 0;
     return int(left < 0 ? 0 : (left < int64_t(kChannels) ? left : int64_t(kChannels)));
   }
 };
@@ -107,6 +107,18 @@ RC_DEVICE void lane_floats(const Fp8LaneBits<kT>& b, float (&v)[kFp8LaneChannels
       const uint16_t h = uint16_t(i % 2 ? b.w[i / 2] >> 16 : b.w[i / 2]);
       v[i] = kT == DType::kBF16 ? bf16_bits_to_float(h) : f16_bits_to_float(h);
     }
+  }
+}
+
+// The sign bits of a lane's channels 4w .. 4w + 3 as loaded, where FP8
+// bytes have them (bits 7, 15, 23 and 31): x's sign, which the quotients
+// of fp8_quotient_unsigned_zero lose only for x = -0.
+template <DType kT>
+RC_DEVICE uint32_t fp8x4_signs(const Fp8LaneBits<kT>& b, int w) {
+  if constexpr (kT == DType::kF32) {  // a channel a word: byte 3 of each
+    return __byte_perm(__byte_perm(b.w[0], b.w[1], 0x73), __byte_perm(b.w[2], b.w[3], 0x73), 0x5410) & 0x80808080u;
+  } else {  // two channels a word: bytes 1 and 3 of words 2w and 2w + 1
+    return __byte_perm(b.w[2 * w], b.w[2 * w + 1], 0x7531) & 0x80808080u;
   }
 }
 
@@ -166,34 +178,42 @@ RC_DEVICE void quantize_fp8_pass(const Fp8LaneBits<kT> (&bits)[kFp8Unroll], cons
       const uint32_t other = uint32_t(warp_shfl_xor(int(amax[u]), o));
       amax[u] = other > amax[u] ? other : amax[u];
     }
-  float scale[U];
+  // Lane l works out block l % U's scale and reciprocal, and the U lanes
+  // of its group (within one block's lanes) take them by shuffles: a pass
+  // pays for one scale's instructions, not U. The block's lane u stores
+  // block u's scale (a block's lanes start at a multiple of U).
+  const int mine = lane_id() % U, group = lane_id() - mine;
+  uint32_t my_amax = amax[0];
+#pragma unroll
+  for (int u = 1; u < U; ++u) my_amax = mine == u ? amax[u] : my_amax;
+  const float my_scale = fp8_scale(bits_float(my_amax)), my_inverse = fp8_divisor(my_scale).inverse;
+  // Block `mine` is in the span on every lane of it; its lane `mine` may
+  // still have no channels of it (a last block of fewer than U lanes').
+  const bool stores_scale = blocks.v0 % Fp8Blocks<kT, kWhole>::kLanes < uint32_t(U) && blocks.in_span(mine);
   Fp8LaneBytes<kT> q[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    scale[u] = fp8_scale(bits_float(amax[u]));
-    const Fp8Divisor divisor = fp8_divisor(scale[u]);
+    const float scale = __int_as_float(warp_shfl(__float_as_int(my_scale), group + u));
+    const Fp8Divisor divisor{fp8_divisor(scale).scale, __int_as_float(warp_shfl(__float_as_int(my_inverse), group + u))};
 #pragma unroll
     for (int w = 0; w < C / 4; ++w) {
       float quot[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) quot[i] = fp8_quotient(val[u][4 * w + i], divisor);
-      q[u].w[w] = fp8x4_bits(quot);
+      for (int i = 0; i < 4; ++i) quot[i] = fp8_quotient_unsigned_zero(val[u][4 * w + i], divisor);
+      q[u].w[w] = fp8x4_bits(quot) | fp8x4_signs<kT>(bits[u], w);
     }
   }
   auto store = [&](uint8_t* qd, float* sd) {
 #pragma unroll
     for (int u = 0; u < U; ++u)
       if (blocks.count(u) > 0) store_lane_bytes(qd, blocks, u, q[u]);
-    if (blocks.lead())
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (blocks.count(u) > 0) sd[blocks.block(u)] = scale[u];
+    if (stores_scale) sd[blocks.block(mine)] = my_scale;
   };
   store(first.q, first.scales);
 #pragma unroll 1
   for (uint32_t m = rest; m != 0; m &= m - 1) {
     const int d = lowest_bit(m);
-    store(reinterpret_cast<uint8_t*>(q_of(d)), blocks.lead() ? scales_of(d) : nullptr);
+    store(reinterpret_cast<uint8_t*>(q_of(d)), stores_scale ? scales_of(d) : nullptr);
   }
 }
 
