@@ -64,8 +64,9 @@ RC_HD Fp8Divisor fp8_divisor(float scale) {
   const float most = 3.40282347e38f;
   return {scale < most ? scale : most, 1.0f / scale};
 }
-// fp8_quotient but +0 for x = -0, for a caller that restores x's sign on
-// the FP8 bytes (the GPU's quantising loop: one byte permute for four).
+// fp8_quotient but +0 for x = -0 (and a NaN of whichever sign the
+// arithmetic gives), for a caller that puts x's sign on the FP8 bytes
+// (the GPU's quantising loop: one byte permute for four).
 RC_HD float fp8_quotient_unsigned_zero(float x, const Fp8Divisor& d) {
   const float q0 = x * d.inverse;
   return fma_rn(fma_rn(-q0, d.scale, x), d.inverse, q0);

@@ -345,8 +345,9 @@ RC_DEVICE uint32_t float2_to_f16x2_bits_not_nan(float lo, float hi) {
 // Four quotients of the FP8 rule as float8_e4m3fn bytes, v[0] in the low
 // byte: fp8_e4m3fn_bits of each, or on NVIDIA sm_89+ one instruction per
 // two (round to nearest even; past 448 saturating to 448, as fp8.h does).
-// The instruction writes every NaN as 0x7f; so does fp8.h for the quotients
-// the kernels convert, since a NaN the GPU's division returns is positive.
+// The rule leaves a NaN's sign open: the instruction writes every NaN as
+// 0x7f, fp8.h keeps the NaN's sign, and the quantising loop ORs x's sign
+// onto either (fp8x4_signs).
 // The testing extension's fp8_conversion_mismatches (csrc/testing/) checks
 // every fp32 pattern.
 RC_DEVICE uint32_t fp8x4_bits(const float (&v)[4]) {

@@ -112,10 +112,12 @@ RC_DEVICE void lane_floats(const Fp8LaneBits<kT>& b, float (&v)[kFp8LaneChannels
 
 // The sign bits of a lane's channels 4w .. 4w + 3 as loaded, where FP8
 // bytes have them (bits 7, 15, 23 and 31): x's sign, which the quotients
-// of fp8_quotient_unsigned_zero lose only for x = -0.
+// of fp8_quotient_unsigned_zero lose for x = -0 (and a NaN quotient's,
+// which the rule leaves open).
 template <DType kT>
 RC_DEVICE uint32_t fp8x4_signs(const Fp8LaneBits<kT>& b, int w) {
   if constexpr (kT == DType::kF32) {  // a channel a word: byte 3 of each
+    static_assert(kFp8LaneChannels<kT> == 4, "one set of four channels a lane (w = 0)");
     return __byte_perm(__byte_perm(b.w[0], b.w[1], 0x73), __byte_perm(b.w[2], b.w[3], 0x73), 0x5410) & 0x80808080u;
   } else {  // two channels a word: bytes 1 and 3 of words 2w and 2w + 1
     return __byte_perm(b.w[2 * w], b.w[2 * w + 1], 0x7531) & 0x80808080u;
@@ -182,13 +184,15 @@ RC_DEVICE void quantize_fp8_pass(const Fp8LaneBits<kT> (&bits)[kFp8Unroll], cons
   // of its group (within one block's lanes) take them by shuffles: a pass
   // pays for one scale's instructions, not U. The block's lane u stores
   // block u's scale (a block's lanes start at a multiple of U).
+  static_assert(Fp8Blocks<kT, kWhole>::kLanes % U == 0, "a group's lanes lie in one block");
   const int mine = lane_id() % U, group = lane_id() - mine;
   uint32_t my_amax = amax[0];
 #pragma unroll
   for (int u = 1; u < U; ++u) my_amax = mine == u ? amax[u] : my_amax;
   const float my_scale = fp8_scale(bits_float(my_amax)), my_inverse = fp8_divisor(my_scale).inverse;
   // Block `mine` is in the span on every lane of it; its lane `mine` may
-  // still have no channels of it (a last block of fewer than U lanes').
+  // still have no channels of it (a last block whose channels fill fewer
+  // than U lanes).
   const bool stores_scale = blocks.v0 % Fp8Blocks<kT, kWhole>::kLanes < uint32_t(U) && blocks.in_span(mine);
   Fp8LaneBytes<kT> q[U];
 #pragma unroll
