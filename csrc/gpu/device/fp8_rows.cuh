@@ -189,7 +189,8 @@ RC_DEVICE void quantize_fp8_pass(const Fp8LaneBits<kT> (&bits)[kFp8Unroll], cons
   uint32_t my_amax = amax[0];
 #pragma unroll
   for (int u = 1; u < U; ++u) my_amax = mine == u ? amax[u] : my_amax;
-  const float my_scale = fp8_scale(bits_float(my_amax)), my_inverse = fp8_divisor(my_scale).inverse;
+  const float my_scale = fp8_scale(bits_float(my_amax));
+  const Fp8Divisor my_divisor = fp8_divisor(my_scale);
   // Block `mine` is in the span on every lane of it; its lane `mine` may
   // still have no channels of it (a last block whose channels fill fewer
   // than U lanes).
@@ -197,8 +198,8 @@ RC_DEVICE void quantize_fp8_pass(const Fp8LaneBits<kT> (&bits)[kFp8Unroll], cons
   Fp8LaneBytes<kT> q[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const float scale = __int_as_float(warp_shfl(__float_as_int(my_scale), group + u));
-    const Fp8Divisor divisor{fp8_divisor(scale).scale, __int_as_float(warp_shfl(__float_as_int(my_inverse), group + u))};
+    const Fp8Divisor divisor{__int_as_float(warp_shfl(__float_as_int(my_divisor.scale), group + u)),
+                             __int_as_float(warp_shfl(__float_as_int(my_divisor.inverse), group + u))};
 #pragma unroll
     for (int w = 0; w < C / 4; ++w) {
       float quot[4];
