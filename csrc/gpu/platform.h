@@ -264,6 +264,17 @@ RC_DEVICE int32_t warp_shfl_up(int32_t v, int delta) {
 #endif
 }
 
+// The larger of each 16-bit half of a and b, unsigned: one instruction on
+// both (sm_90's max.u16x2; gfx1201's v_pk_max_u16).
+RC_DEVICE uint32_t max_u16x2(uint32_t a, uint32_t b) {
+#ifdef RC_HIP
+  typedef uint16_t u16x2 __attribute__((ext_vector_type(2)));
+  return __builtin_bit_cast(uint32_t, __builtin_elementwise_max(__builtin_bit_cast(u16x2, a), __builtin_bit_cast(u16x2, b)));
+#else
+  return __vmaxu2(a, b);
+#endif
+}
+
 // Loads of memory that nothing writes while the kernel runs (an op's input
 // tensors, or a finished dispatch's heap rows; never the heap of the op in
 // flight, which peers write during the op): on NVIDIA

@@ -161,40 +161,62 @@ struct Fp8Dest {
 template <DType kT, bool kWhole, typename QOf, typename ScalesOf>
 RC_DEVICE void quantize_fp8_pass(const Fp8LaneBits<kT> (&bits)[kFp8Unroll], const Fp8Blocks<kT, kWhole>& blocks,
                                  const Fp8Dest& first, QOf& q_of, ScalesOf& scales_of, uint32_t rest) {
-  constexpr int U = kFp8Unroll, C = kFp8LaneChannels<kT>;
+  constexpr int U = kFp8Unroll, C = kFp8LaneChannels<kT>, kLanes = Fp8Blocks<kT, kWhole>::kLanes;
   float val[U][C];
-  uint32_t amax[U];
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    lane_floats<kT>(bits[u], val[u]);
-    amax[u] = 0;
-#pragma unroll
-    for (int i = 0; i < C; ++i) amax[u] = fp8_amax_bits(amax[u], val[u][i]);
-  }
-  // Every lane of the warp runs the shuffles (a span ends on a block
-  // boundary), each within its block's lanes.
-#pragma unroll
-  for (int o = Fp8Blocks<kT, kWhole>::kLanes / 2; o > 0; o /= 2)
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const uint32_t other = uint32_t(warp_shfl_xor(int(amax[u]), o));
-      amax[u] = other > amax[u] ? other : amax[u];
-    }
+  for (int u = 0; u < U; ++u) lane_floats<kT>(bits[u], val[u]);
   // Lane l works out block l % U's scale and reciprocal, and the U lanes
   // of its group (within one block's lanes) take them by shuffles: a pass
   // pays for one scale's instructions, not U. The block's lane u stores
   // block u's scale (a block's lanes start at a multiple of U).
-  static_assert(Fp8Blocks<kT, kWhole>::kLanes % U == 0, "a group's lanes lie in one block");
+  static_assert(kLanes % U == 0, "a group's lanes lie in one block");
   const int mine = lane_id() % U, group = lane_id() - mine;
-  uint32_t my_amax = amax[0];
+  // The amax of block `mine` (fp8_amax_bits), reduced over the block's
+  // lanes. Every lane of the warp runs the shuffles (a span ends on a block
+  // boundary), each within its block's lanes.
+  uint32_t my_amax;
+  if constexpr (kT == DType::kBF16 && U == 2) {
+    // A bf16 magnitude's 16 bits order as fp8_amax_bits orders its fp32
+    // bits (the same bits, shifted), so the two blocks' amaxes reduce as
+    // the halves of one word: a shuffle and a max a step for both. (fp16's
+    // would too, but for NaN payloads, which its hardware conversion may
+    // quiet: a block's scale would be another NaN than lane_floats' gives.)
+    uint32_t m[U];
 #pragma unroll
-  for (int u = 1; u < U; ++u) my_amax = mine == u ? amax[u] : my_amax;
+    for (int u = 0; u < U; ++u) {
+      m[u] = bits[u].w[0] & 0x7fff7fffu;
+#pragma unroll
+      for (int i = 1; i < kFp8LaneBytes / 4; ++i) m[u] = max_u16x2(m[u], bits[u].w[i] & 0x7fff7fffu);
+    }
+    uint32_t both = max_u16x2(__byte_perm(m[0], m[1], 0x5410), __byte_perm(m[0], m[1], 0x7632));
+#pragma unroll
+    for (int o = kLanes / 2; o > 0; o /= 2) both = max_u16x2(both, uint32_t(warp_shfl_xor(int(both), o)));
+    my_amax = mine ? both & 0xffff0000u : both << 16;
+  } else {
+    uint32_t amax[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      amax[u] = 0;
+#pragma unroll
+      for (int i = 0; i < C; ++i) amax[u] = fp8_amax_bits(amax[u], val[u][i]);
+    }
+#pragma unroll
+    for (int o = kLanes / 2; o > 0; o /= 2)
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const uint32_t other = uint32_t(warp_shfl_xor(int(amax[u]), o));
+        amax[u] = other > amax[u] ? other : amax[u];
+      }
+    my_amax = amax[0];
+#pragma unroll
+    for (int u = 1; u < U; ++u) my_amax = mine == u ? amax[u] : my_amax;
+  }
   const float my_scale = fp8_scale(bits_float(my_amax));
   const Fp8Divisor my_divisor = fp8_divisor(my_scale);
   // Block `mine` is in the span on every lane of it; its lane `mine` may
   // still have no channels of it (a last block whose channels fill fewer
   // than U lanes).
-  const bool stores_scale = blocks.v0 % Fp8Blocks<kT, kWhole>::kLanes < uint32_t(U) && blocks.in_span(mine);
+  const bool stores_scale = blocks.v0 % kLanes < uint32_t(U) && blocks.in_span(mine);
   Fp8LaneBytes<kT> q[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
