@@ -1,13 +1,17 @@
 """Does a copy of rows 1-2's bytes reach copy_'s speed with more warps a
 multiprocessor, or more vectors a lane in flight? The row loops' shape
 (a contiguous range a block, a contiguous piece a warp, U 16-byte
-vectors a lane: U loads, then U stores), over grids of 128-512 blocks of
-256-1024 threads. Device time per call: CUDA events over 50 calls,
+vectors a lane: U loads, then U stores), over grids of 128-1024 blocks of
+128-1024 threads. Device time per call: CUDA events over 50 calls,
 median of 7."""
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 from torch.utils.cpp_extension import load_inline
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pattern import timed  # noqa: E402  (CUDA events, the same method as pattern.py's)
 
 SRC = r"""
 #include <cstdint>
@@ -43,19 +47,6 @@ void run(torch::Tensor in, torch::Tensor out, int64_t unroll, int64_t blocks, in
 
 mod = load_inline("occupancy", cpp_sources="void run(torch::Tensor in, torch::Tensor out, int64_t unroll, int64_t blocks, int64_t threads);",
                   cuda_sources=SRC, functions=["run"], extra_cuda_cflags=["-O3", "-arch=sm_90"], verbose=False)
-
-
-def timed(fn, reps=7, calls=50):
-    fn(); torch.cuda.synchronize()
-    res = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record(); torch.cuda.synchronize()
-        res.append(a.elapsed_time(b) * 1000 / calls)
-    return statistics.median(res)
 
 
 x = torch.randn(4096, 7168, device="cuda").to(torch.bfloat16)

@@ -87,10 +87,6 @@ void run(torch::Tensor in, torch::Tensor out, int64_t mode, bool sum, int64_t bl
 }
 """
 
-mod = load_inline("pattern", cpp_sources="void run(torch::Tensor in, torch::Tensor out, int64_t mode, bool sum, int64_t blocks);",
-                  cuda_sources=SRC, functions=["run"], extra_cuda_cflags=["-O3", "-arch=sm_90"], verbose=False)
-
-
 def timed(fn, reps=7, calls=50):
     fn(); torch.cuda.synchronize()
     res = []
@@ -104,17 +100,24 @@ def timed(fn, reps=7, calls=50):
     return statistics.median(res)
 
 
-T, H = 4096, 7168
-x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
-y = torch.empty_like(x)
-sm = torch.cuda.get_device_properties(0).multi_processor_count
-print(torch.cuda.get_device_name(), "SMs", sm)
-print(f"torch copy_: {timed(lambda: y.copy_(x)):.2f} us")
-for sum_ in (False, True):
-    for blocks in (128, sm - 2, sm):
-        for mode in (0, 1, 2, 3, 4, 5):
-            t = timed(lambda: mod.run(x, y, mode, sum_, blocks))
-            assert torch.equal(x, y)
-            y.zero_()
-            print(f"sum={int(sum_)} blocks={blocks} mode={mode}: {t:.2f} us")
-sys.stdout.flush()
+def main():
+    mod = load_inline("pattern", cpp_sources="void run(torch::Tensor in, torch::Tensor out, int64_t mode, bool sum, int64_t blocks);",
+                      cuda_sources=SRC, functions=["run"], extra_cuda_cflags=["-O3", "-arch=sm_90"], verbose=False)
+    T, H = 4096, 7168
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    y = torch.empty_like(x)
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    print(torch.cuda.get_device_name(), "SMs", sm)
+    print(f"torch copy_: {timed(lambda: y.copy_(x)):.2f} us")
+    for sum_ in (False, True):
+        for blocks in (128, sm - 2, sm):
+            for mode in (0, 1, 2, 3, 4, 5):
+                t = timed(lambda: mod.run(x, y, mode, sum_, blocks))
+                assert torch.equal(x, y)
+                y.zero_()
+                print(f"sum={int(sum_)} blocks={blocks} mode={mode}: {t:.2f} us")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
