@@ -117,20 +117,22 @@ def opcode(text: str) -> str:
     return words[0] if words else ""
 
 
-def read_sass_lines(path: Path) -> list[tuple[list[str], list[str]]]:
-    """Per function of ``nvdisasm -g -c`` output: its instructions' opcodes
-    and each one's source ("file:line", "?" before the first)."""
-    functions: list[tuple[list[str], list[str]]] = []
+def read_sass_lines(path: Path) -> dict[str, tuple[list[str], list[str]]]:
+    """Per function of ``nvdisasm -g -c`` output, by its mangled name: its
+    instructions' opcodes and each one's source ("file:line", "?" before
+    the first)."""
+    functions: dict[str, tuple[list[str], list[str]]] = {}
+    current = None
     where = "?"
     for text in path.read_text().splitlines():
-        if re.match(r"^\.text\.\S+:$", text):
-            functions.append(([], []))
+        if m := re.match(r"^\.text\.(\S+):$", text):
+            current = functions.setdefault(m.group(1), ([], []))
             where = "?"
         elif m := re.search(r'//## File "([^"]+)", line (\d+)', text):
             where = f"{m.group(1)}:{m.group(2)}"
-        elif functions and (m := re.match(r"^\s+/\*[0-9a-f]+\*/\s+(.*)$", text)):
-            functions[-1][0].append(opcode(m.group(1)))
-            functions[-1][1].append(where)
+        elif current is not None and (m := re.match(r"^\s+/\*[0-9a-f]+\*/\s+(.*)$", text)):
+            current[0].append(opcode(m.group(1)))
+            current[1].append(where)
     return functions
 
 
@@ -142,10 +144,10 @@ def source_text(where: str) -> str:
         return ""
 
 
-def report_lines(instructions: list[dict], functions: list[tuple[list[str], list[str]]], top: int) -> None:
+def report_lines(instructions: list[dict], functions: dict[str, tuple[list[str], list[str]]], top: int) -> None:
     """The kernel's samples outside barrier waits, by source line."""
     ops = [opcode(i.get("Source", "")) for i in instructions]
-    lines: Optional[list[str]] = next((w for o, w in functions if o == ops), None)
+    lines: Optional[list[str]] = next((w for o, w in functions.values() if o == ops), None)
     if lines is None:
         print("  by source line: the SASS given does not hold this kernel")
         return
