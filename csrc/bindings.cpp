@@ -3,7 +3,7 @@
 // shapes the fakes read, the transports' records, limits, the predicates the
 // ops use (for planning and the tests), and the protocol's policies for the
 // tests.
-#include <torch/extension.h>
+#include <torch/python.h>
 
 #include "bounds.h"
 #include "calls.h"

@@ -1,5 +1,6 @@
 #include "comm.h"
 
+#include <ATen/ops/empty.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 

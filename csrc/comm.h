@@ -5,7 +5,7 @@
 // step, so a rejected call leaves every counter and buffer untouched.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <c10/core/Event.h>
 

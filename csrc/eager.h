@@ -1,7 +1,7 @@
 // The ops' eager entry points (eager.cpp).
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/python.h>
 
 namespace rdna4_comm {
 namespace eager {

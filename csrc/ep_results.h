@@ -4,7 +4,7 @@
 // _C.output_specs) build theirs.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <array>
 

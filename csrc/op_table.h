@@ -6,7 +6,7 @@
 // the Communicator methods' access to outputs by name (rdna4_comm/ops.py).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <functional>
 #include <string>

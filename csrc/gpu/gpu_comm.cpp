@@ -3,6 +3,7 @@
 // that launches the kernels (csrc/gpu/*.cu, interface kernels.h) on the
 // current stream.
 #include <ATen/cuda/EmptyTensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 

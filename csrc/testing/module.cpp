@@ -2,7 +2,7 @@
 // of their own that the tests build from these sources and
 // csrc/gpu/runtime.cpp (tests/gpu_testing.py), so that the installed
 // library carries none of them.
-#include <torch/extension.h>
+#include <torch/python.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
