@@ -16,8 +16,10 @@ cd "$ROOT"
 bash scripts/install.sh test
 # The test files in RDNA4_COMM_TEST_JOBS pytest-xdist workers (default 2,
 # CI's cores; 1 runs them in this process): most tests wait on their ranks'
-# processes as much as they compute.
+# processes as much as they compute. Files go out in the order that
+# tests/conftest.py gives them (the longest first), which pytest-xdist would
+# otherwise replace with most tests first.
 workers="${RDNA4_COMM_TEST_JOBS:-2}"
 jobs=()
-if [ "$workers" -gt 1 ]; then jobs=(-n "$workers" --dist loadfile); fi
+if [ "$workers" -gt 1 ]; then jobs=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
 exec python3 -m pytest tests -q -p no:warnings ${jobs[@]+"${jobs[@]}"} "$@"

@@ -1,3 +1,4 @@
+import collections
 import os
 
 import pytest
@@ -104,9 +105,12 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    # The vLLM engines first: the longest file, which pytest-xdist's
-    # loadfile hands out in this order, so it does not end a run alone.
-    items.sort(key=lambda item: item.get_closest_marker("vllm") is None)
+    # pytest-xdist's loadfile hands the files out in this order (scripts/
+    # test.sh turns its own reordering off): the vLLM engines' files first,
+    # the longest, then those with more tests before those with fewer, so
+    # that no long file ends a run alone.
+    tests_in = collections.Counter(item.path for item in items)
+    items.sort(key=lambda item: (item.get_closest_marker("vllm") is None, -tests_in[item.path]))
     if not ALL_WORLDS:
         skip = pytest.mark.skip(reason="no transport selected by RDNA4_COMM_TEST_TRANSPORTS")
         for item in items:

@@ -136,8 +136,12 @@ WORK_ITEM_IDS = ROOT / "tests" / "hip_work_item_ids.h"
 
 def compile_hip(source: Path, arch: str, out_dir: Path) -> str:
     out = out_dir / f"{source.stem}_{arch}.s"
+    # -O3 for RDNA4, whose code the tests below read as a build makes it;
+    # the other targets are checked for compiling at all, which -O1 shows
+    # in about 60% of the time.
+    opt = "-O3" if arch == "gfx1201" else "-O1"
     cmd = [CLANG, "-x", "hip", "-std=c++17", f"--offload-arch={arch}", "-nogpulib", "--cuda-device-only",
-           "-include", str(WORK_ITEM_IDS), "-O3", "-Wall", "-S", str(source), "-o", str(out)]
+           "-include", str(WORK_ITEM_IDS), opt, "-Wall", "-S", str(source), "-o", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stderr}"
     assert "warning" not in res.stderr, res.stderr
