@@ -35,7 +35,7 @@ for arg in "$@"; do case "$arg" in tests/*) targets=(); break ;; esac; done
 jobs=()
 if [ "${RDNA4_COMM_TEST_JOBS:-1}" -gt 1 ]; then
   python3 -c "import xdist" 2>/dev/null || { echo "RDNA4_COMM_TEST_JOBS needs pytest-xdist"; exit 1; }
-  jobs=(-n "$RDNA4_COMM_TEST_JOBS" --dist loadfile --no-loadscope-reorder)
+  jobs=(-n "$RDNA4_COMM_TEST_JOBS" --dist loadfile)
 fi
 : > "$OUT/failures.txt"
 RDNA4_COMM_FAILURES="$OUT/failures.txt" RDNA4_COMM_TEST_TRANSPORTS="${RDNA4_COMM_TEST_TRANSPORTS:-gpu}" RDNA4_COMM_TEST_EXAMPLES="${RDNA4_COMM_TEST_EXAMPLES:-0.3}" \

@@ -35,11 +35,11 @@ fi
 # The build: setuptools with its own bdist_wheel (--no-build-isolation builds
 # with what is installed) and ninja. numpy: torch runs without it but warns
 # at every import that it is missing. The tests and benchmarks: pytest,
-# pytest-xdist (scripts/test.sh's workers), hypothesis, transformers
+# pytest-xdist (scripts/test.sh's workers; 3.8 for --no-loadscope-reorder), hypothesis, transformers
 # (tests/test_transformers.py; the "transformers" extra in setup.py),
 # matplotlib (heatmaps), tqdm (progress bars).
 requirements=("setuptools>=70.1" ninja numpy)
-[ "$PROFILE" = test ] && requirements+=(pytest pytest-xdist hypothesis "transformers>=5.18" matplotlib tqdm)
+[ "$PROFILE" = test ] && requirements+=(pytest "pytest-xdist>=3.8" hypothesis "transformers>=5.18" matplotlib tqdm)
 
 # The requirements this environment does not meet yet, checked locally, so a
 # second run does not ask the package index again.
