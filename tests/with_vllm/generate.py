@@ -8,7 +8,8 @@ prints one line ``RESULT <json>``: the generated token ids per prompt (in
 prompt order, whichever data-parallel rank ran them), the engine start and
 generation times (with ``"rounds": n``, n timed rounds of the whole batch and
 of one prompt alone), per worker the plugin's communicators (name, transport,
-world size), and the library's ops found in the code vLLM compiled.
+world size), the workers' process ids, and the library's ops found in the
+code vLLM compiled.
 
 Data parallelism runs one process per DP rank, each with its own ``LLM``
 and its share of the prompts (vLLM's offline data-parallel form).
@@ -36,6 +37,12 @@ def _worker_state(worker) -> dict:
         for name, comm in (group.__dict__.get("_rdna4_comm_communicators", {}) if group else {}).items():
             found[name] = dict(transport=comm.transport, world=comm.world_size, rank=comm.rank)
     return found
+
+
+def _worker_pid(worker) -> int:
+    """In a vLLM worker: its process id, which starts the names of the
+    shared-memory segments its communicators create."""
+    return os.getpid()
 
 
 def compiled_ops(cache_root: str, since: float) -> dict:
@@ -82,9 +89,9 @@ def run_engine(spec: dict, prompts: list, out, dp_rank: int = 0) -> None:
         llm.generate(requests[:1], params, use_tqdm=False)
         batch_s.append(t1 - t0)
         step_s.append((time.perf_counter() - t1) / params.max_tokens)
-    state = llm.collective_rpc(_worker_state)
+    state, pids = llm.collective_rpc(_worker_state), llm.collective_rpc(_worker_pid)
     out.put(dict(dp_rank=dp_rank, tokens=[list(o.outputs[0].token_ids) for o in outputs], start_s=started - start,
-                 generate_s=done - started, batch_s=batch_s, step_s=step_s, workers=state))
+                 generate_s=done - started, batch_s=batch_s, step_s=step_s, workers=state, worker_pids=pids))
     llm.llm_engine.engine_core.shutdown()
 
 
@@ -108,7 +115,7 @@ def generate(spec: dict) -> dict:
     # The engine core in the LLM's own process: one process start (about 8 s
     # on two cores) fewer per engine; the workers are processes either way.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of _worker_state
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of _worker_state and _worker_pid
     dp = spec.get("dp", 1)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -142,6 +149,7 @@ def generate(spec: dict) -> dict:
                 batch_s=[max(t) for t in zip(*(r["batch_s"] for r in reports))],
                 step_s=[max(t) for t in zip(*(r["step_s"] for r in reports))],
                 workers=[w for r in reports for w in r["workers"]],
+                worker_pids=[p for r in reports for p in r["worker_pids"]],
                 compiled_ops=compiled_ops(cache_root, since))
 
 
