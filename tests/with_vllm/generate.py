@@ -28,21 +28,17 @@ import time
 PROMPTS = ([1, 5, 9, 33, 70], [100, 200, 300], [7, 7, 7, 7, 7, 7, 7], [311, 2, 45, 260])
 
 
-def _worker_state(worker) -> dict:
-    """In a vLLM worker: the plugin's communicators over its groups."""
+def _worker_state(worker) -> tuple:
+    """In a vLLM worker: its process id (which starts the names of the
+    shared-memory segments its communicators create) and the plugin's
+    communicators over its groups."""
     from vllm.distributed import parallel_state as ps
 
     found = {}
     for group in (ps._TP, ps._EP, ps._DP, ps._WORLD):
         for name, comm in (group.__dict__.get("_rdna4_comm_communicators", {}) if group else {}).items():
             found[name] = dict(transport=comm.transport, world=comm.world_size, rank=comm.rank)
-    return found
-
-
-def _worker_pid(worker) -> int:
-    """In a vLLM worker: its process id, which starts the names of the
-    shared-memory segments its communicators create."""
-    return os.getpid()
+    return os.getpid(), found
 
 
 def compiled_ops(cache_root: str, since: float) -> dict:
@@ -89,9 +85,9 @@ def run_engine(spec: dict, prompts: list, out, dp_rank: int = 0) -> None:
         llm.generate(requests[:1], params, use_tqdm=False)
         batch_s.append(t1 - t0)
         step_s.append((time.perf_counter() - t1) / params.max_tokens)
-    state, pids = llm.collective_rpc(_worker_state), llm.collective_rpc(_worker_pid)
+    pids, state = zip(*llm.collective_rpc(_worker_state))
     out.put(dict(dp_rank=dp_rank, tokens=[list(o.outputs[0].token_ids) for o in outputs], start_s=started - start,
-                 generate_s=done - started, batch_s=batch_s, step_s=step_s, workers=state, worker_pids=pids))
+                 generate_s=done - started, batch_s=batch_s, step_s=step_s, workers=list(state), worker_pids=list(pids)))
     llm.llm_engine.engine_core.shutdown()
 
 
@@ -115,7 +111,7 @@ def generate(spec: dict) -> dict:
     # The engine core in the LLM's own process: one process start (about 8 s
     # on two cores) fewer per engine; the workers are processes either way.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of _worker_state and _worker_pid
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of _worker_state
     dp = spec.get("dp", 1)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
